@@ -1,0 +1,34 @@
+"""Collectives over named axes, the bit ledger and the network cost model."""
+
+from dadjax.comm._bits import (
+    Bits,
+    bits_add,
+    bits_const,
+    bits_from_count,
+    bits_reduce,
+    bits_sum,
+    bits_to_int,
+    bits_zero,
+    host_array,
+    tree_bits,
+)
+from dadjax.comm._collectives import (
+    AllReduceState,
+    allreduce,
+    axis_size,
+    gather_sites,
+    mean_over_sites,
+    site_index,
+    sum_over_sites,
+)
+from dadjax.comm._cost import NetworkModel
+from dadjax.comm._ledger import (
+    FP32_BITS,
+    CommStats,
+    CommSummary,
+    comm_stats,
+    find_comm_stats,
+    ledger_init,
+    ledger_record,
+    tree_dense_bits,
+)
