@@ -1,0 +1,38 @@
+"""One process of the 2-process test: 4 CPU devices each, gloo collectives.
+
+Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz
+Trains the test model for a few steps over all 8 global devices and writes
+the parameters (from process 0) to OUT.npz.
+"""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dadjax  # noqa: E402
+from multihost_common import STEPS, make_problem  # noqa: E402
+
+
+def main():
+  port, process_id, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+  dadjax.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  assert jax.device_count() == 8 and jax.local_device_count() == 4
+  model, tx, batches = make_problem()
+  ts = dadjax.make_train_step(model, tx)  # mesh over all 8 global devices
+  state = ts.init(jax.random.key(0), batches[0]["x"][:2])
+  for batch in batches[:STEPS]:
+    state, _ = ts(state, batch)
+  params = ts.params(state)
+  summary = dadjax.comm_stats(state.opt_state)
+  if process_id == 0:
+    leaves = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
+    np.savez(out, total_bits=summary.total, **leaves)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,119 @@
+"""The bit ledger, exact 64-bit counts and the network cost model."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dadjax
+from dadjax import comm
+
+
+@pytest.mark.parametrize("a,b", [(0, 0), (2**32 - 1, 1), (3 * 2**40 + 7, 2**33 - 5),
+                                 (2**63, 2**63 - 1)])
+def test_bits_add_is_exact_past_32_bits(a, b):
+  got = jax.jit(comm.bits_add)(comm.bits_const(a), comm.bits_const(b))
+  assert comm.bits_to_int(got) == a + b
+
+
+def test_bits_const_rejects_out_of_range():
+  with pytest.raises(ValueError, match="bit count"):
+    comm.bits_const(-1)
+  with pytest.raises(ValueError, match="bit count"):
+    comm.bits_const(2**64)
+
+
+@pytest.mark.parametrize("count,per_item", [(0, 64), (2**32 - 1, 2**16 + 3), (123_456_789, 64),
+                                            (65_535, 65_535), (7, 2**31)])
+def test_bits_from_traced_count_is_exact(count, per_item):
+  got = jax.jit(lambda c: comm.bits_from_count(c, per_item))(jnp.uint32(count))
+  assert comm.bits_to_int(got) == count * per_item
+
+
+def test_bits_reduce_sums_stacked_counts_exactly():
+  values = [2**32 - 1, 2**32 - 1, 5, 2**31, 17 * 2**32 + 3]
+  stacked = comm.Bits(jnp.array([v >> 32 for v in values], jnp.uint32),
+                      jnp.array([v & (2**32 - 1) for v in values], jnp.uint32))
+  assert comm.bits_to_int(jax.jit(comm.bits_reduce)(stacked)) == sum(values)
+
+
+def test_ledger_stays_exact_for_1e10_params_over_1e6_steps():
+  # One fp32 step of 10^10 parameters is 3.2e11 bits: far past int32. Add it
+  # 10^6 times through the jitted ledger update (a scan) and compare with
+  # Python's unbounded ints.
+  per_step = 10**10 * 32
+  stats = comm.ledger_init()
+
+  def body(s, _):
+    return comm.ledger_record(s, reduce=per_step, dense=per_step), None
+
+  stats, _ = jax.jit(lambda s: jax.lax.scan(body, s, None, length=10**6))(stats)
+  assert comm.bits_to_int(stats.total_sent) == per_step * 10**6
+  assert comm.bits_to_int(stats.total_dense) == per_step * 10**6
+  assert comm.bits_to_int(stats.step_reduce) == per_step
+
+
+def test_allreduce_ledger_equals_hand_computed_fp32_size():
+  params = {"w": jnp.ones((3, 5)), "b": jnp.ones((5,)), "nested": [jnp.ones((2, 2, 2))]}
+  tx = dadjax.allreduce(axis_name=None)
+  state = tx.init(params)
+  updates, state = tx.update(params, state)
+  chex.assert_trees_all_equal(updates, params)
+  summary = dadjax.comm_stats(state)
+  assert summary.bits_per_step == (15 + 5 + 8) * 32
+  assert summary.dense_bits_per_step == (15 + 5 + 8) * 32
+  assert summary.compression_ratio == 1.0
+
+
+def test_comm_stats_reads_through_chain_multisteps_and_partition():
+  params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}
+  inner = optax.partition({"big": dadjax.allreduce(None), "small": dadjax.allreduce(None)},
+                          {"w": "big", "b": "small"})
+  tx = optax.MultiSteps(optax.chain(inner, optax.sgd(0.1, momentum=0.9)), every_k_schedule=2)
+  state = tx.init(params)
+  for _ in range(4):
+    _, state = tx.update(params, state, params)
+  summary = dadjax.comm_stats(state)
+  assert summary.bits_per_step == (16 + 4) * 32
+  # MultiSteps runs the inner chain on every second call only.
+  assert summary.total == 2 * (16 + 4) * 32
+  assert summary.updates == 2
+
+
+def test_comm_stats_without_ledger_is_a_clear_error():
+  state = optax.sgd(0.1).init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match="no CommStats"):
+    dadjax.comm_stats(state)
+
+
+def test_network_model_ring_formulas():
+  net = dadjax.NetworkModel(bandwidth=1e9, latency=1e-4, num_sites=4)
+  bits = 8 * 10**6
+  assert net.allreduce_time(bits) == pytest.approx(2 * 3 / 4 * bits / 1e9 + 2 * 3 * 1e-4)
+  assert net.allgather_time(bits) == pytest.approx(3 * bits / 1e9 + 3 * 1e-4)
+  # A single site sends nothing.
+  assert dadjax.NetworkModel(num_sites=1).allreduce_time(bits) == 0.0
+
+
+def test_network_model_parameter_server_is_slower_than_ring_for_many_sites():
+  ring = dadjax.NetworkModel(num_sites=16, topology="ring")
+  ps = dadjax.NetworkModel(num_sites=16, topology="ps")
+  assert ps.allreduce_time(10**8) > ring.allreduce_time(10**8)
+
+
+def test_network_model_step_time_from_ledger():
+  params = {"w": jnp.ones((100, 100))}
+  tx = dadjax.allreduce(None)
+  _, state = tx.update(params, tx.init(params))
+  net = dadjax.NetworkModel(bandwidth=1e9, latency=0.0, num_sites=8)
+  expected = 2 * 7 / 8 * 10_000 * 32 / 1e9
+  assert net.step_time(dadjax.comm_stats(state)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bandwidth": 0}, "bandwidth"), ({"latency": -1}, "latency"),
+    ({"num_sites": 0}, "num_sites"), ({"topology": "mesh"}, "topology")])
+def test_network_model_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dadjax.NetworkModel(**kwargs)
