@@ -1,0 +1,163 @@
+"""The training loop: data, model, method, SPMD step, eval, logs, checkpoints.
+
+``train(config)`` is the one entry point the CLI, the experiments and the
+notebooks use. Batches are a pure function of ``(seed, step)``
+(:class:`dadjax.data.SiteBatcher`), so the checkpointed step *is* the data
+position and a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from dadjax import data as data_lib
+from dadjax import models
+from dadjax.comm import NetworkModel, comm_stats, host_array
+from dadjax.config import Config
+from dadjax.methods import build_method
+from dadjax.parallel import TrainState, TrainStep, make_train_step, unstack_site
+
+
+@dataclasses.dataclass
+class Run:
+  """What a finished run returns: its final state, log rows and pieces."""
+
+  config: Config
+  state: TrainState
+  step_fn: TrainStep
+  history: list[dict]
+  dataset: Any
+
+  @property
+  def final(self) -> dict:
+    return self.history[-1]
+
+  @property
+  def params(self):
+    return self.step_fn.params(self.state)
+
+
+def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """The communicating transformation first, then the local optimizer."""
+  local = (optax.sgd(config.lr, momentum=config.momentum or None) if config.optimizer == "sgd"
+           else optax.adam(config.lr))
+  return optax.chain(comm_tx, local)
+
+
+def evaluate(apply: Callable, state: TrainState, x: np.ndarray, y: np.ndarray,
+             batch_size: int = 512) -> float:
+  """Test accuracy of site 0's model (every site holds the same parameters).
+
+  ``apply`` is the (jitted) ``model.apply``.
+  """
+  variables = {"params": unstack_site(state.params), **unstack_site(state.model_state)}
+  correct = 0
+  for i in range(0, len(x), batch_size):
+    logits = apply(variables, x[i:i + batch_size])
+    correct += int(np.sum(np.argmax(np.asarray(logits), -1) == y[i:i + batch_size]))
+  return correct / max(1, len(x))
+
+
+def build(config: Config):
+  """Data, batcher, model and step for ``config`` (no training)."""
+  dataset = data_lib.load(config.dataset, **({"data_dir": config.data_dir} if config.data_dir else {}))
+  parts = data_lib.partition(dataset.y_train, config.num_sites, scheme=config.partition,
+                             alpha=config.alpha, seed=config.seed)
+  batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
+                                 seed=config.seed)
+  method = build_method(config.method, axis_name="data", seed=config.seed)
+  # Flax modules must be hashable: JSON/TOML lists become tuples.
+  model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.model_kwargs.items()}
+  if config.model in ("gru", "transformer") and dataset.vocab_size and np.issubdtype(
+      dataset.x_train.dtype, np.integer):
+    model_kwargs.setdefault("vocab_size", dataset.vocab_size)
+  dense_kw = {"dense": method.dense} if method.dense is not None else {}
+  model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
+  step_fn = make_train_step(model, make_optimizer(config, method.tx), num_sites=config.num_sites,
+                            backend=config.backend)
+  return dataset, parts, batcher, step_fn
+
+
+def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] | None = None) -> Run:
+  """Train according to ``config``; resume from ``config.checkpoint_dir`` if it holds a checkpoint.
+
+  Args:
+    config: the run's :class:`~dadjax.config.Config`.
+    progress: show a progress bar.
+    log: called with each metrics row (also written to ``out_dir/metrics.jsonl``).
+
+  Returns:
+    A :class:`Run` with the final state and the logged rows.
+  """
+  dataset, _, batcher, step_fn = build(config)
+  state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+  manager = None
+  if config.checkpoint_dir:
+    manager = ocp.CheckpointManager(
+        pathlib.Path(config.checkpoint_dir).absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    if manager.latest_step() is not None:
+      state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+  apply = jax.jit(step_fn.model.apply)
+  network = NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology)
+  out_file = None
+  if config.out_dir:
+    pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+    out_file = open(pathlib.Path(config.out_dir) / "metrics.jsonl", "a")
+
+  start = int(host_array(state.step)[0])
+  history: list[dict] = []
+  bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
+             initial=start, total=config.steps, leave=False)
+  t0 = time.perf_counter()
+  metrics = None
+  for step in bar:
+    x, y = batcher.batch_at(step)
+    state, metrics = step_fn(state, {"x": x, "y": y})
+    done = step + 1
+    if done % config.eval_every == 0 or done == config.steps:
+      row = _log_row(config, apply, state, metrics, dataset, network, done, time.perf_counter() - t0)
+      history.append(row)
+      bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
+      if out_file:
+        out_file.write(json.dumps(row) + "\n")
+        out_file.flush()
+      if log:
+        log(row)
+    if manager and (done % config.checkpoint_every == 0 or done == config.steps):
+      manager.save(done, args=ocp.args.StandardSave(state))
+  if manager:
+    manager.wait_until_finished()
+    manager.close()
+  if out_file:
+    out_file.close()
+  return Run(config, state, step_fn, history, dataset)
+
+
+def _log_row(config, apply, state, metrics, dataset, network, step, seconds) -> dict:
+  summary = comm_stats(state.opt_state)
+  step_time = network.step_time(summary)
+  return {
+      "step": step,
+      "method": config.method,
+      "loss": float(host_array(metrics["loss"])[0]),
+      "train_accuracy": float(host_array(metrics["accuracy"])[0]),
+      "test_accuracy": evaluate(apply, state, dataset.x_test, dataset.y_test),
+      "bits_per_step": summary.bits_per_step,
+      "dense_bits_per_step": summary.dense_bits_per_step,
+      "total_bits": summary.total,
+      "compression_ratio": summary.compression_ratio,
+      "modeled_comm_s_per_step": step_time,
+      "modeled_comm_s": step_time * summary.updates,
+      "wall_s": seconds,
+  }

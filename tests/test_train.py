@@ -1,0 +1,79 @@
+"""Training loop, checkpoints, config files and the CLI."""
+import json
+
+import chex
+import numpy as np
+import pytest
+
+import dadjax
+from dadjax import cli
+from dadjax.config import Config, load_config
+from dadjax.train import train
+
+SMALL = dict(steps=6, eval_every=3, batch_per_site=8, num_sites=4, backend="vmap",
+             model_kwargs={"hidden": [16]})
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
+  uninterrupted = train(Config(**SMALL), progress=False)
+  ckpt = str(tmp_path / "ckpt")
+  first = train(Config(**{**SMALL, "steps": 3}, checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
+  assert first.final["step"] == 3
+  resumed = train(Config(**SMALL, checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
+  # The resumed run started at step 3 and logged only step 6.
+  assert [row["step"] for row in resumed.history] == [6]
+  chex.assert_trees_all_close(resumed.params, uninterrupted.params, atol=0, rtol=0)
+  # The ledger came back with the optimizer state: totals cover all 6 steps.
+  assert dadjax.comm_stats(resumed.state.opt_state).total == dadjax.comm_stats(uninterrupted.state.opt_state).total
+  assert resumed.final["test_accuracy"] == uninterrupted.final["test_accuracy"]
+
+
+def test_metrics_jsonl_is_written(tmp_path):
+  run = train(Config(**SMALL, out_dir=str(tmp_path)), progress=False)
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [3, 6]
+  import jax
+  n_params = sum(np.size(p) for p in jax.tree.leaves(run.params))
+  assert rows[-1]["bits_per_step"] == 32 * n_params
+  assert rows[-1]["total_bits"] == 6 * 32 * n_params
+  assert rows[-1]["modeled_comm_s"] > 0
+
+
+def test_training_learns_the_embedded_digits():
+  run = train(Config(steps=150, eval_every=150, backend="vmap"), progress=False)
+  assert run.final["test_accuracy"] > 0.85
+
+
+def test_config_file_and_overrides(tmp_path):
+  path = tmp_path / "run.toml"
+  path.write_text('method = "allreduce"\nsteps = 12\nmodel_kwargs = {hidden = [8]}\n')
+  config = load_config(path, ["steps=20", "lr=0.05", "checkpoint_dir=None"])
+  assert (config.steps, config.lr, config.model_kwargs) == (20, 0.05, {"hidden": [8]})
+  jpath = tmp_path / "run.json"
+  jpath.write_text(json.dumps({"num_sites": 2}))
+  assert load_config(jpath).num_sites == 2
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["stepz=3"], "unknown config key"), (["steps"], "key=value"),
+    (["steps=0"], "config.steps"), (["optimizer=lbfgs"], "config.optimizer")])
+def test_bad_config_is_a_clear_error(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    load_config(None, overrides)
+
+
+def test_unknown_key_in_config_file(tmp_path):
+  path = tmp_path / "bad.toml"
+  path.write_text("learning_rate = 0.1\n")
+  with pytest.raises(ValueError, match="learning_rate"):
+    load_config(path)
+
+
+def test_cli_train_runs_and_rejects_unknown_keys(capsys):
+  assert cli.main(["train", "--no-progress", "steps=2", "eval_every=2", "num_sites=2",
+                   "backend=vmap", "batch_per_site=4"]) == 0
+  final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert final["step"] == 2
+  with pytest.raises(SystemExit):
+    cli.main(["train", "stepz=2"])
+  assert "unknown config key" in capsys.readouterr().err
