@@ -23,6 +23,7 @@ class Config:
     dataset: ``"digits"`` (embedded, default), ``"synthetic"``,
       ``"synthetic_seq"`` or a tensorflow-datasets name (``"mnist"``, ...).
     data_dir: tensorflow-datasets directory (prepared offline).
+    dataset_kwargs: extra loader arguments, e.g. ``{"max_examples": 5000}``.
     model: ``"mlp"``, ``"cnn"``, ``"resnet18"``, ``"gru"``, ``"transformer"``, ``"vit"``.
     model_kwargs: extra model fields, e.g. ``{"hidden": [128, 128]}``.
     method: communication method spec, see :func:`dadjax.methods.build_method`.
@@ -44,6 +45,7 @@ class Config:
 
   dataset: str = "digits"
   data_dir: str | None = None
+  dataset_kwargs: dict = dataclasses.field(default_factory=dict)
   model: str = "mlp"
   model_kwargs: dict = dataclasses.field(default_factory=dict)
   method: str = "allreduce"

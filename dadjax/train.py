@@ -70,7 +70,10 @@ def evaluate(apply: Callable, state: TrainState, x: np.ndarray, y: np.ndarray,
 
 def build(config: Config):
   """Data, batcher, model and step for ``config`` (no training)."""
-  dataset = data_lib.load(config.dataset, **({"data_dir": config.data_dir} if config.data_dir else {}))
+  dataset_kwargs = dict(config.dataset_kwargs)
+  if config.data_dir:
+    dataset_kwargs["data_dir"] = config.data_dir
+  dataset = data_lib.load(config.dataset, **dataset_kwargs)
   parts = data_lib.partition(dataset.y_train, config.num_sites, scheme=config.partition,
                              alpha=config.alpha, seed=config.seed)
   batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,

@@ -294,3 +294,14 @@ def test_site_batches_bad_args(kwargs, arg):
         list(data.site_batches(x, y, parts, **kwargs))
     with pytest.raises(ValueError, match="step"):
         data.SiteBatcher(x, y, parts, 4).batch_at(-1)
+
+
+def test_training_reads_a_tfds_directory_from_the_config(tfds_dir):
+    from dadjax.config import load_config
+    from dadjax.train import train
+
+    config = load_config(None, ["dataset=tiny_images", f"data_dir={tfds_dir}", "num_sites=2",
+                                "backend=vmap", "batch_per_site=4", "steps=2", "eval_every=2"])
+    run = train(config, progress=False)
+    assert run.dataset.name == "tiny_images" and run.final["step"] == 2
+    assert 0.0 <= run.final["test_accuracy"] <= 1.0
