@@ -118,10 +118,15 @@ class TrainStep:
             f"num_sites={self.num_sites}; use a multiple of {self.num_sites}")
 
   def __call__(self, state: TrainState, batch: Any):
-    self.check_batch(batch)
-    return self._run(state, self._place_batch(batch))
+    return self._run(state, self.place_batch(batch))
 
-  def _place_batch(self, batch):
+  def run(self, state: TrainState, placed_batch: Any):
+    """One step on a batch already placed by :meth:`place_batch` (timing loops)."""
+    return self._run(state, placed_batch)
+
+  def place_batch(self, batch: Any) -> Any:
+    """Check a global host batch and put it where this backend expects it."""
+    self.check_batch(batch)
     if self.backend == "shard_map":
       sharding = NamedSharding(self.mesh, P(self.axis_name))
       return jax.tree.map(

@@ -1,0 +1,23 @@
+"""Gradient compressors (pure functions on pytrees) and the optax transform
+that communicates them: ``compressed(powersgd(rank=4), axis_name="data")``."""
+
+from dadjax.compress._base import (
+    Compressor,
+    EmptyState,
+    Exchanged,
+    Keys,
+    Traffic,
+    as_keys,
+    exchange,
+    leafwise,
+    one_round_exchange,
+    step_keys,
+)
+from dadjax.compress._cast import cast, identity
+from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
+from dadjax.compress._packing import code_bits, pack_bits, packed_words, unpack_bits
+from dadjax.compress._powersgd import PowerSGDPayload, PowerSGDState, orthogonalize, powersgd
+from dadjax.compress._quantize import QuantizedPayload, qsgd, scaled_sign, sign, terngrad
+from dadjax.compress._sparse import SparsePayload, randomk, topk
+from dadjax.compress._spec import VALID_SPECS, get_compressor
+from dadjax.compress._transform import CompressedState, compressed

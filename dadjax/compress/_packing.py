@@ -1,0 +1,121 @@
+"""Bit packing: small unsigned codes in uint32 words, so the wire is exact.
+
+Codes of ``bits`` bits each (1 <= bits <= 32) are packed densely: every
+group of 32 consecutive codes occupies exactly ``bits`` uint32 words (code
+``j`` of a group starts at bit ``j * bits`` of the group, little-endian,
+and may straddle two words). A vector of ``n`` codes therefore takes
+``ceil(n / 32) * bits`` words, at most ``bits - 1`` words more than the
+information-theoretic ``ceil(n * bits / 32)``. The word layout is a static
+function of ``bits``, so packing is a few shifts, a static gather and a sum
+(the shifted pieces never overlap, so the sum is a bitwise or).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WORD_BITS = 32
+
+
+def code_bits(num_values: int) -> int:
+  """Bits needed for codes ``0 .. num_values - 1``: ``ceil(log2(num_values))``, at least 1."""
+  return max(1, (num_values - 1).bit_length())
+
+
+def packed_words(n: int, bits: int) -> int:
+  """uint32 words that :func:`pack_bits` uses for ``n`` codes of ``bits`` bits."""
+  _check_bits(bits)
+  return -(-n // WORD_BITS) * bits
+
+
+def _check_bits(bits: int) -> None:
+  if not (isinstance(bits, int) and 1 <= bits <= WORD_BITS):
+    raise ValueError(f"bits must be an int in [1, {WORD_BITS}], got {bits!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(bits: int):
+  """Static layout of one group of 32 codes over ``bits`` words."""
+  j = np.arange(WORD_BITS)
+  offset = j * bits
+  word = offset // WORD_BITS
+  shift = (offset % WORD_BITS).astype(np.uint32)
+  spill = (shift + bits) > WORD_BITS  # the code's high part lands in word + 1
+  # Shift amounts are kept in [0, 32) so no shift is undefined; pieces that
+  # do not exist are masked out instead.
+  high_shift = np.where(spill, WORD_BITS - shift, 0).astype(np.uint32)
+  # contributors[w] = column indices into concat([low, high, zero]) (65 cols)
+  contributors = [[int(i) for i in np.flatnonzero(word == w)]
+                  + [WORD_BITS + int(i) for i in np.flatnonzero(spill & (word + 1 == w))]
+                  for w in range(bits)]
+  width = max(len(c) for c in contributors)
+  table = np.full((bits, width), 2 * WORD_BITS, np.int32)
+  for w, c in enumerate(contributors):
+    table[w, :len(c)] = c
+  next_word = np.minimum(word + 1, bits - 1)
+  return word, shift, spill, high_shift, table, next_word
+
+
+def _mask(bits: int) -> np.uint32:
+  return np.uint32((1 << bits) - 1)
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+  """Pack a vector of codes ``< 2**bits`` into uint32 words.
+
+  Args:
+    codes: 1-D integer array, every value in ``[0, 2**bits)``.
+    bits: bits per code, in ``[1, 32]``.
+
+  Returns:
+    uint32 array of shape ``(packed_words(codes.size, bits),)``.
+  """
+  _check_bits(bits)
+  codes = jnp.ravel(codes).astype(jnp.uint32)
+  n = codes.shape[0]
+  groups = -(-n // WORD_BITS)
+  codes = jnp.pad(codes, (0, groups * WORD_BITS - n)).reshape(groups, WORD_BITS)
+  if WORD_BITS % bits == 0:  # no code straddles a word: a reshape suffices
+    per_word = WORD_BITS // bits
+    shifts = (np.arange(per_word) * bits).astype(np.uint32)
+    words = jnp.sum(codes.reshape(groups * bits, per_word) << shifts, axis=-1, dtype=jnp.uint32)
+    return words
+  _, shift, spill, high_shift, table, _ = _layout(bits)
+  low = codes << shift
+  high = jnp.where(spill, codes >> high_shift, jnp.uint32(0))
+  pieces = jnp.concatenate([low, high, jnp.zeros((groups, 1), jnp.uint32)], axis=1)
+  words = jnp.sum(pieces[:, table], axis=-1, dtype=jnp.uint32)  # (groups, bits)
+  return words.reshape(groups * bits)
+
+
+def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
+  """Inverse of :func:`pack_bits`: the first ``n`` codes, as uint32.
+
+  Args:
+    words: the packed uint32 words.
+    bits: bits per code, as used for packing.
+    n: number of codes to return.
+
+  Returns:
+    uint32 array of shape ``(n,)``.
+  """
+  _check_bits(bits)
+  groups = -(-n // WORD_BITS)
+  if words.shape != (groups * bits,):
+    raise ValueError(f"unpack_bits: expected {groups * bits} words for {n} codes "
+                     f"of {bits} bits, got shape {words.shape}")
+  mask = _mask(bits)
+  if WORD_BITS % bits == 0:
+    per_word = WORD_BITS // bits
+    shifts = (np.arange(per_word) * bits).astype(np.uint32)
+    codes = (words[:, None] >> shifts) & mask
+    return codes.reshape(-1)[:n]
+  word, shift, spill, high_shift, _, next_word = _layout(bits)
+  w = words.reshape(groups, bits)
+  low = w[:, word] >> shift
+  high = jnp.where(spill, w[:, next_word] << high_shift, jnp.uint32(0))
+  return ((low | high) & mask).reshape(-1)[:n]

@@ -1,0 +1,251 @@
+"""PowerSGD: rank-r power iteration with warm start and error feedback."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dadjax._tree_utils import tree_nbits
+from dadjax.comm import axis_size, sum_over_sites
+from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
+
+# A column whose norm falls below this fraction of its norm before
+# orthogonalization is numerically dependent on the previous ones (or zero)
+# and is dropped (set to 0), so rank-deficient or zero gradients give no NaN.
+_DEPENDENT = 1e-4
+
+
+class PowerSGDState(NamedTuple):
+  """Per group of same-shape matrices: warm-start ``q`` and residual ``memory``.
+
+  Attributes:
+    q: one ``(B, n, r)`` array per group (the sites' mean ``Q`` of the last
+      step); empty without warm start. A zero column is re-drawn from the
+      shared key (this is also how the first step is initialized).
+    memory: one ``(B, m, n)`` array per group (error feedback); empty when
+      error feedback is off.
+  """
+
+  q: tuple
+  memory: tuple
+
+
+class PowerSGDPayload(NamedTuple):
+  """One site's factors: orthonormal ``p`` (B, m, r), ``q`` (B, n, r), raw tensors."""
+
+  p: tuple
+  q: tuple
+  raw: tuple
+
+
+class _Group(NamedTuple):
+  m: int
+  n: int
+  r: int
+  leaves: tuple  # positions in jax.tree.leaves order
+
+
+class _Plan(NamedTuple):
+  groups: tuple  # of _Group
+  raw: tuple  # leaf positions sent uncompressed
+
+
+def _make_plan(shapes, rank: int, min_compression_rate: float) -> _Plan:
+  """Static split of the leaves: matrices by shape, and uncompressed tensors."""
+  groups: dict[tuple[int, int, int], list[int]] = {}
+  raw = []
+  for i, shape in enumerate(shapes):
+    if len(shape) < 2:
+      raw.append(i)
+      continue
+    m, n = math.prod(shape[:-1]), shape[-1]
+    r = min(rank, m, n)
+    if min_compression_rate * r * (m + n) < m * n:
+      groups.setdefault((m, n, r), []).append(i)
+    else:
+      raw.append(i)
+  return _Plan(tuple(_Group(m, n, r, tuple(ix)) for (m, n, r), ix in groups.items()), tuple(raw))
+
+
+def orthogonalize(p: jax.Array) -> jax.Array:
+  """Gram-Schmidt on the columns of ``p`` (..., m, r), NaN-free.
+
+  Column ``i`` is projected off the already orthonormal columns ``0..i-1``
+  twice (classical Gram-Schmidt with re-orthogonalization, as accurate as
+  modified Gram-Schmidt and two matrix products per column), then
+  normalized; a column that is zero or dependent on the previous ones
+  becomes 0 instead of noise or NaN.
+
+  Args:
+    p: a (batch of) tall matrices.
+
+  Returns:
+    Same shape; non-zero columns orthonormal.
+  """
+  r = p.shape[-1]
+  cols = []
+  for i in range(r):
+    v = p[..., i]
+    before = jnp.linalg.norm(v, axis=-1, keepdims=True)
+    if cols:
+      done = jnp.stack(cols, axis=-1)  # (..., m, i)
+      for _ in range(2):
+        v = v - jnp.einsum("...mi,...i->...m", done, jnp.einsum("...mi,...m->...i", done, v))
+    after = jnp.linalg.norm(v, axis=-1, keepdims=True)
+    keep = after > _DEPENDENT * before
+    cols.append(jnp.where(keep, v / jnp.where(keep, after, 1.0), 0.0))
+  return jnp.stack(cols, axis=-1)
+
+
+def powersgd(
+    rank: int = 2,
+    iters: int = 1,
+    warm_start: bool = True,
+    error_feedback: bool = True,
+    min_compression_rate: float = 1.0,
+) -> Compressor:
+  """PowerSGD: low-rank gradient compression by distributed power iteration.
+
+  Each tensor with at least 2 dimensions is viewed as a matrix ``M`` of
+  shape ``(prod(shape[:-1]), shape[-1])`` (a conv kernel (kh, kw, cin,
+  cout) becomes (kh*kw*cin, cout)). One power iteration (per ``iters``):
+  ``P = M Q``, all-reduce ``P``, orthogonalize ``P``, ``Q = M^T P``,
+  all-reduce ``Q``; the update is ``P Q^T / num_sites``. Matrices of the same
+  shape are stacked and handled by one batched einsum. Tensors with fewer
+  than 2 dimensions, or where ``min_compression_rate * r (m + n) >= m n``,
+  are all-reduced uncompressed in fp32 (together with the first ``P``).
+
+  With ``warm_start`` the all-reduced ``Q`` is kept in the state and starts
+  the next step's iteration; otherwise (and on the first step, and for any
+  column that became zero) ``Q`` is drawn from a normal distribution with
+  the key shared by all sites. With ``error_feedback`` the state keeps, as
+  the paper's reference implementation does, ``e = M - P Q^T / num_sites``
+  (this site's corrected gradient minus the applied average) and adds it to
+  the next gradient.
+
+  Args:
+    rank: ``r >= 1`` (clipped per matrix to ``min(m, n)``); the paper uses
+      1-4 (rank 2 for ResNet-18 on CIFAR-10).
+    iters: power iterations per step, ``>= 1`` (each costs two all-reduces);
+      the paper uses 1 with warm start.
+    warm_start: reuse the last ``Q``.
+    error_feedback: keep the residual memory.
+    min_compression_rate: compress a matrix only when
+      ``min_compression_rate * r * (m + n) < m * n``; ``>= 0`` (0 compresses
+      every matrix, PyTorch's hook uses 2).
+
+  Returns:
+    A ``"reduce"`` :class:`Compressor` with its own two-round ``exchange``;
+    each site sends ``32 * (iters * r * (m + n))`` bits per compressed
+    matrix and ``32 * size`` per uncompressed tensor.
+
+  Raises:
+    ValueError: if ``rank < 1``, ``iters < 1`` or ``min_compression_rate < 0``.
+
+  References:
+    Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient
+    Compression for Distributed Optimization", NeurIPS 2019
+    (https://arxiv.org/abs/1905.13727).
+  """
+  rank = check_int("rank", rank, 1)
+  iters = check_int("iters", iters, 1)
+  if (isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real)
+      or not min_compression_rate >= 0):
+    raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
+
+  def plan_of(tree) -> _Plan:
+    return _make_plan([tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)], rank,
+                      min_compression_rate)
+
+  def init(params):
+    plan = plan_of(params)
+    q = tuple(jnp.zeros((len(g.leaves), g.n, g.r), jnp.float32) for g in plan.groups)
+    memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
+    return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
+
+  def start_q(gi, g, state, key: Keys):
+    fresh = jax.random.normal(jax.random.fold_in(key.shared, gi), (len(g.leaves), g.n, g.r))
+    if not warm_start:
+      return fresh
+    prev = state.q[gi]
+    alive = jnp.sum(prev * prev, axis=1, keepdims=True) > 0
+    return jnp.where(alive, prev, fresh)
+
+  def run(grads, state, key, axis_name):
+    """The distributed algorithm; returns (Exchanged, payload)."""
+    key = as_keys(key)
+    leaves, treedef = jax.tree.flatten(grads)
+    plan = plan_of(grads)
+    num_sites = axis_size(axis_name)
+    sent = []  # every array handed to a psum, for the ledger
+
+    def psum(tree):
+      sent.extend(jax.tree.leaves(tree))
+      return sum_over_sites(tree, axis_name)
+
+    ms = []
+    for gi, g in enumerate(plan.groups):
+      m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
+      ms.append(m + state.memory[gi] if error_feedback else m)
+    qs = [start_q(gi, g, state, key) for gi, g in enumerate(plan.groups)]
+    raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
+    raw_sum = psum(raw) if raw and not ms else raw
+    ps, q_local = [], []
+    for it in range(iters if ms else 0):
+      ps = [jnp.einsum("bmn,bnr->bmr", m, q) for m, q in zip(ms, qs)]
+      if it == 0 and raw:
+        ps, raw_sum = psum((ps, raw))
+      else:
+        ps = psum(ps)
+      ps = [orthogonalize(p) for p in ps]
+      q_local = [jnp.einsum("bmn,bmr->bnr", m, p) for m, p in zip(ms, ps)]
+      qs = psum(q_local)
+
+    mean, local = list(leaves), list(leaves)
+    memory = []
+    for g, m, p, q, ql in zip(plan.groups, ms, ps, qs, q_local):
+      m_hat = jnp.einsum("bmr,bnr->bmn", p, q) / num_sites
+      mine = jnp.einsum("bmr,bnr->bmn", p, ql)
+      memory.append(m - m_hat)
+      for b, i in enumerate(g.leaves):
+        mean[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+        local[i] = mine[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+    for j, i in enumerate(plan.raw):
+      mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
+
+    new_state = PowerSGDState(
+        tuple(q / num_sites for q in qs) if warm_start else (),
+        tuple(memory) if error_feedback else ())
+    traffic = Traffic(reduce=tree_nbits(sent), gather=0, collectives=len(sent))
+    out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
+                    new_state, traffic)
+    return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)
+
+  def compress(grads, state, key):
+    out, payload = run(grads, state, key, None)
+    return payload, out.state
+
+  def decompress(payload, like, key):
+    del key
+    leaves, treedef = jax.tree.flatten(like)
+    plan = plan_of(like)
+    out: list[Any] = [None] * len(leaves)
+    for g, p, q in zip(plan.groups, payload.p, payload.q):
+      m_hat = jnp.einsum("bmr,bnr->bmn", p, q)
+      for b, i in enumerate(g.leaves):
+        out[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+    for j, i in enumerate(plan.raw):
+      out[i] = payload.raw[j].astype(leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out)
+
+  def bits(payload):
+    return iters * tree_nbits((payload.p, payload.q)) + tree_nbits(payload.raw)
+
+  def exchange_fn(grads, state, key, axis_name):
+    return run(grads, state, key, axis_name)[0]
+
+  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn)
