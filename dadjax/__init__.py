@@ -5,7 +5,7 @@ auto-differentiation (dAD / rank-dAD), data quantization and Accordion,
 behind one SPMD train step and one bit ledger.
 """
 
-from dadjax import comm, compress, parallel
+from dadjax import comm, compress, dad, parallel
 from dadjax.compress import compressed, get_compressor
 from dadjax.comm import CommStats, CommSummary, NetworkModel, allreduce, comm_stats
 from dadjax.parallel import TrainState, initialize, make_mesh, make_train_step

@@ -86,6 +86,6 @@ class GRUClassifier(nn.Module):
         if self.vocab_size is not None:
             x = nn.Embed(self.vocab_size, self.embed_dim, name="embed")(x)
         xp = self.dense(3 * self.hidden, use_bias=True, name="ih")(x)  # (b, T, 3h)
-        h0 = jnp.zeros((x.shape[0], self.hidden), xp.dtype)
+        h0 = jnp.zeros_like(xp[:, 0, : self.hidden])  # inherits the input's varying-axes type under shard_map
         h, _ = _ScanGRUStep(self.hidden, self.dense, name="cell")(h0, xp)
         return self.dense(self.num_classes, use_bias=True, name="head")(h)

@@ -21,8 +21,8 @@ exactly its own site's copy. The batch is global, site-major: rows
 
 Models that communicate inside their own backward pass (dAD layers) report
 the bits they sent by sowing :class:`~dadjax.comm.Bits` into the
-``"comm"`` collection; the step forwards their sum to the optimizer as the
-``model_comm`` extra argument so it lands in the same ledger. Variables in
+``"comm"`` collection; the step forwards that collection to the optimizer
+as the ``model_comm`` extra argument so it lands in the same ledger. Variables in
 the ``"dad_state"`` collection are differentiated and *overwritten* with
 their gradient (the pattern Flax uses for fp8 scales), which is how a layer
 keeps state (warm starts, error feedback) across steps.
@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax.comm import host_array, mean_over_sites, tree_bits
+from dadjax.comm import host_array, mean_over_sites
 from dadjax.parallel._mesh import make_mesh
 
 COMM_COLLECTION = "comm"
@@ -157,7 +157,7 @@ def _site_program(model, tx, loss, axis_name):
         {"params": state.params, **overwrite})
     extra = {}
     if jax.tree.leaves(sown.get(COMM_COLLECTION, {})):
-      extra["model_comm"] = tree_bits(sown[COMM_COLLECTION])
+      extra["model_comm"] = sown[COMM_COLLECTION]
     updates, opt_state = tx.update(grads["params"], state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     model_state = {**fixed, **{k: grads[k] for k in overwrite}}

@@ -1,0 +1,36 @@
+"""Distributed auto-differentiation: dAD and rank-dAD dense layers.
+
+A dense layer's weight gradient is ``A^T D`` (inputs times output deltas);
+sites share ``A`` and ``D`` (dAD, exact) or low-rank factors of their local
+``A^T D`` (rank-dAD) inside the backward pass instead of all-reducing the
+gradient. :class:`Dense` is a drop-in for ``flax.linen.Dense``;
+:func:`synchronize` handles every other parameter and the bit ledger.
+
+References:
+  Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
+  Differentiation" (https://arxiv.org/abs/2102.09631).
+"""
+
+from dadjax.dad._dense import (
+    AGGREGATIONS,
+    MODES,
+    DadConfig,
+    Dense,
+    current_state,
+    dense,
+    init_state,
+    layer_bits,
+    layer_route,
+)
+from dadjax.dad._spec import VALID_SPECS, DenseFactory, get_method, is_method
+from dadjax.dad._power import Factors, factorize, product_route
+from dadjax.dad._sync import (
+    LayerPlan,
+    ModelLedgerState,
+    SynchronizeState,
+    effective_ranks,
+    layer_mask,
+    layer_plan,
+    model_ledger,
+    synchronize,
+)

@@ -1,0 +1,226 @@
+"""Structured power iteration: a rank-r factorization of ``A^T D`` (+ ``M``).
+
+rank-dAD factorizes a site's local weight gradient ``G = A^T D`` (d_in x
+d_out, the layout of a Flax kernel) from the captured rows ``A`` (n x d_in)
+and deltas ``D`` (n x d_out) without forming ``G`` when that is the
+expensive route: the power iteration only needs products with ``G^T G``,
+and ``G^T G b = D^T (A A^T) (D b)`` costs ``O(n^2 + n d_out)`` per step once
+the n x n Gram matrix ``A A^T`` is known (the "Gram trick"). An optional
+dense term ``M`` (an error-feedback memory) is supported through the
+factored products ``G b = A^T (D b) + M b``.
+
+Shapes are static, as JAX requires: ``rank`` components are always
+returned; components after the first one that stops carrying signal
+(``sigma`` at round-off level, or exactly zero) are masked to zero, and the
+count of unmasked ones is the *effective rank*.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Factors(NamedTuple):
+  """A masked rank-r factorization ``G ~= u @ v.T``.
+
+  Attributes:
+    u: (d_in, r) left factors scaled by the singular values,
+      ``u[:, k] = G v[:, k] = sigma_k q_k``; zero for masked components.
+    v: (d_out, r) orthonormal right factors ``b_k``; zero when masked.
+    sigma: (r,) estimated singular values (zero when masked).
+    rank: () int32, the effective rank (number of unmasked components).
+    iterations: (r,) int32, power iterations each component ran (0 when
+      masked before starting).
+  """
+
+  u: jax.Array
+  v: jax.Array
+  sigma: jax.Array
+  rank: jax.Array
+  iterations: jax.Array
+
+
+def product_route(n: int, d_in: int, d_out: int, steps: int, memory: bool) -> str:
+  """The cheapest way to apply ``G^T G`` ``steps`` times (trace-time choice).
+
+  Args:
+    n: rows of ``A`` and ``D``.
+    d_in: columns of ``A``.
+    d_out: columns of ``D``.
+    steps: total power-iteration steps (``rank * iters``).
+    memory: whether a dense ``d_in x d_out`` term is added to ``G``.
+
+  Returns:
+    ``"gram"`` (form ``A A^T``, n x n), ``"factored"`` (products with ``A``
+    and ``D``) or ``"dense"`` (form ``G``), by multiply-add count.
+  """
+  costs = {
+      "factored": steps * 2 * n * (d_in + d_out) + (steps * 2 * d_in * d_out if memory else 0),
+      "dense": n * d_in * d_out + steps * 2 * d_in * d_out,
+  }
+  if not memory:  # the Gram matrix cannot absorb a dense additive term
+    costs["gram"] = n * n * d_in + steps * (2 * n * d_out + n * n)
+  return min(costs, key=costs.get)
+
+
+def _operators(a, d, memory, route, precision):
+  """``(g_mv, gtg_mv)``: ``b -> G b`` (d_out -> d_in) and ``b -> G^T G b``."""
+  dot = lambda x, y: jnp.dot(x, y, precision=precision)
+  if route == "dense":
+    g = dot(a.T, d)
+    if memory is not None:
+      g = g + memory
+    return (lambda b: dot(g, b)), (lambda b: dot(g.T, dot(g, b)))
+  if route == "gram":
+    gram = dot(a, a.T)
+    return (lambda b: dot(a.T, dot(d, b))), (lambda b: dot(d.T, dot(gram, dot(d, b))))
+
+  def g_mv(b):
+    out = dot(a.T, dot(d, b))
+    return out if memory is None else out + dot(memory, b)
+
+  def gt_mv(u):
+    out = dot(d.T, dot(a, u))
+    return out if memory is None else out + dot(memory.T, u)
+
+  return g_mv, (lambda b: gt_mv(g_mv(b)))
+
+
+def _deflate(x, basis):
+  # Project out the components already found. Applied twice ("twice is
+  # enough", Kahan / Parlett) so the basis stays orthonormal in float32 even
+  # when x lies almost entirely in span(basis).
+  for _ in range(2):
+    x = x - basis @ (basis.T @ x)
+  return x
+
+
+def _vma(x) -> frozenset:
+  """Mesh axes ``x`` is typed as varying along (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)  # jax 0.10
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+  """``x`` typed varying along every axis some ``ref`` varies along.
+
+  Under ``shard_map(check_vma=True)`` loop carries must keep their type; a
+  start value drawn from a shared key is invariant while the iterate
+  computed from per-site data is varying. A no-op elsewhere.
+  """
+  missing = frozenset().union(*map(_vma, refs)) - _vma(x)
+  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
+def _normalize(x):
+  norm = jnp.linalg.norm(x)
+  safe = jnp.where(norm > 0, norm, 1.0)
+  return jnp.where(norm > 0, x / safe, jnp.zeros_like(x)), norm
+
+
+def factorize(
+    a: jax.Array,
+    d: jax.Array,
+    *,
+    rank: int,
+    iters: int,
+    tol: float,
+    key: jax.Array,
+    init: jax.Array | None = None,
+    memory: jax.Array | None = None,
+    precision=None,
+) -> Factors:
+  """Rank-``rank`` factorization of ``G = a.T @ d (+ memory)`` by deflated power iteration.
+
+  Component k starts from ``init[:, k]`` (a warm start) when that column is
+  non-zero, else from a normal vector drawn from ``fold_in(key, k)``; the
+  start is orthogonalized against the components already found and then
+  iterated with ``b <- normalize(deflate(G^T G b))`` until the change
+  ``||b_new - b||`` drops below ``tol`` or ``iters`` steps ran. Then
+  ``u_k = G b_k`` and ``sigma_k = ||u_k||``. A component is masked (and so
+  are all later ones) when ``sigma_k <= sqrt(eps) * sigma_0`` or
+  ``sigma_k = 0``; no NaN arises for a zero gradient. The iteration works
+  on ``G^T G``, whose round-off is ``eps * sigma_0^2``, so directions with
+  ``sigma_k / sigma_0`` below ``sqrt(eps)`` (3.5e-4 in float32) cannot be
+  resolved: such components are round-off, would break the orthogonality
+  of the basis, and carry at most ``eps * sigma_0^2`` of energy.
+
+  Because the found ``b_k`` are orthonormal and ``u = G v``, the result is
+  the projection ``G v v^T``: once ``rank`` >= rank(G) the factorization is
+  exact, whether or not each component has fully converged.
+
+  Args:
+    a: (n, d_in) layer inputs.
+    d: (n, d_out) output deltas.
+    rank: number of components r >= 1 (static).
+    iters: maximum power iterations per component, >= 1 (static).
+    tol: convergence threshold on ``||b_new - b||``, >= 0 (0: always run
+      ``iters`` steps).
+    key: PRNG key for the random starts; the same key on every site gives
+      the same starts (no aligned generators needed).
+    init: optional (d_out, r) warm start (e.g. last step's ``v``).
+    memory: optional dense (d_in, d_out) term added to ``G``.
+    precision: ``jax.lax.Precision`` for the products (default: JAX's).
+
+  Returns:
+    :class:`Factors` with ``u`` (d_in, r), ``v`` (d_out, r), ``sigma`` (r,).
+
+  References:
+    Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
+    Differentiation" (https://arxiv.org/abs/2102.09631).
+  """
+  n, d_in = a.shape
+  d_out = d.shape[1]
+  dtype = jnp.result_type(a.dtype, d.dtype, jnp.float32)
+  a, d = a.astype(dtype), d.astype(dtype)
+  route = product_route(n, d_in, d_out, rank * iters, memory is not None)
+  g_mv, gtg_mv = _operators(a, d, memory, route, precision)
+  resolution = float(np.sqrt(np.finfo(np.dtype(dtype)).eps))
+
+  refs = [a, d, jax.random.key_data(key)] + [x for x in (init, memory) if x is not None]
+
+  def component(k, carry):
+    # One loop over components (not a Python unroll) keeps compile time
+    # independent of the rank.
+    basis, us, sigmas, used, alive, sigma0 = carry
+    start = jax.random.normal(jax.random.fold_in(key, k), (d_out,), dtype)
+    if init is not None:
+      warm = jax.lax.dynamic_index_in_dim(init, k, axis=1, keepdims=False).astype(dtype)
+      start = jnp.where(jnp.linalg.norm(warm) > 0, warm, start)
+    b0, _ = _normalize(_deflate(start, basis))
+
+    def cond(inner):
+      it, _, change = inner
+      # Once a component is masked so are all later ones: skip their work.
+      return alive & (it < iters) & (change >= tol)
+
+    def body(inner):
+      it, b, _ = inner
+      b_new, _ = _normalize(_deflate(gtg_mv(b), basis))
+      return it + 1, b_new, jnp.linalg.norm(b_new - b)
+
+    inner = jax.tree.map(lambda c: vary_like(c, *refs),
+                         (jnp.int32(0), b0, jnp.asarray(jnp.inf, dtype)))
+    it, b, _ = jax.lax.while_loop(cond, body, inner)
+    u = g_mv(b)
+    sigma = jnp.linalg.norm(u)
+    sigma0 = jnp.where(k == 0, sigma, sigma0)
+    keep = alive & (sigma > 0) & (sigma > resolution * sigma0) & jnp.isfinite(sigma)
+    basis = basis.at[:, k].set(jnp.where(keep, b, 0))
+    us = us.at[:, k].set(jnp.where(keep, u, 0))
+    sigmas = sigmas.at[k].set(jnp.where(keep, sigma, 0))
+    used = used.at[k].set(it)
+    return basis, us, sigmas, used, keep, sigma0
+
+  carry = (jnp.zeros((d_out, rank), dtype), jnp.zeros((d_in, rank), dtype),
+           jnp.zeros((rank,), dtype), jnp.zeros((rank,), jnp.int32), jnp.bool_(True),
+           jnp.zeros((), dtype))
+  carry = jax.tree.map(lambda c: vary_like(c, *refs), carry)
+  basis, us, sigmas, used, _, _ = jax.lax.fori_loop(0, rank, component, carry)
+  return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
+                 iterations=used)

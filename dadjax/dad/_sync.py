@@ -1,0 +1,287 @@
+"""Optimizer side of dAD: synchronize the other parameters, keep the ledger.
+
+dAD layers synchronize their own gradients inside the backward pass; every
+other parameter (LayerNorm, embeddings, convolutions, positional
+embeddings, ``mode="local"`` dense layers) still has to be synchronized, by
+an all-reduce or a compressor. :func:`synchronize` does both halves of the
+bookkeeping: it passes the dAD leaves through, hands the rest to ``other``,
+and records the bits the layers reported (the ``model_comm`` extra argument
+the train step forwards from the ``"comm"`` collection) in its ledger.
+
+Which leaves are dAD layers is read from the variables, not guessed from
+names: a layer owns a ``"dad_state"`` entry exactly when its backward pass
+synchronizes its gradient (:func:`layer_mask`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits_zero, host_array,
+                         ledger_init, ledger_record, tree_dense_bits)
+from dadjax.dad._dense import STATE_NAME, Dense, layer_bits, layer_route
+from dadjax.parallel import STATE_COLLECTION
+
+MaskLike = Any | Callable[[Any], Any]
+
+
+def path_names(path) -> tuple[str, ...]:
+  """A key path from ``tree_flatten_with_path`` as plain names (``("block", "kernel")``)."""
+  out = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        out.append(str(getattr(entry, attr)))
+        break
+    else:
+      out.append(str(entry))
+  return tuple(out)
+
+
+def _init_shapes(model: nn.Module, args, kwargs):
+  return jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+
+
+def layer_mask(model_or_variables: nn.Module | dict, *sample_args, **sample_kwargs) -> Any:
+  """Which parameters belong to dAD layers that synchronize themselves.
+
+  A parameter is marked when its module owns a ``"dad_state"`` entry
+  (every :class:`~dadjax.dad.Dense` except ``mode="local"``). Nothing is
+  run: the variables' shapes come from ``jax.eval_shape(model.init, ...)``.
+
+  Args:
+    model_or_variables: a Flax module (then ``sample_args`` are its inputs),
+      or a variables dict ``{"params": ..., "dad_state": ...}`` (e.g.
+      ``{"params": state.params, **state.model_state}``).
+    *sample_args: example inputs for ``model.init``.
+    **sample_kwargs: keyword inputs for ``model.init``.
+
+  Returns:
+    A pytree of Python bools with the structure of ``params``.
+  """
+  if isinstance(model_or_variables, nn.Module):
+    variables = _init_shapes(model_or_variables, sample_args, sample_kwargs)
+  else:
+    variables = model_or_variables
+  owners = set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(variables.get(STATE_COLLECTION, {}))[0]:
+    names = path_names(path)
+    if STATE_NAME in names:
+      owners.add(names[:names.index(STATE_NAME)])
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path_names(path)[:-1] in owners, variables["params"])
+
+
+class LayerPlan(NamedTuple):
+  """One dAD layer call as planned at trace time (per site, per use)."""
+
+  path: str
+  mode: str
+  route: str
+  rows: int
+  d_in: int
+  d_out: int
+  gather_bits: int
+  reduce_bits: int
+  dense_bits: int
+
+
+def layer_plan(model: nn.Module, *sample_args, **sample_kwargs) -> list[LayerPlan]:
+  """The route and bits of every :class:`~dadjax.dad.Dense` call for these inputs.
+
+  Shows what ``mode="auto"`` picks per layer (``"gather"`` = exact dAD,
+  ``"allreduce"``) for a given batch shape: ``sample_args`` must have the
+  per-site batch shape. Calls inside ``nn.scan`` are listed once, with the
+  rows of one time step (they run once per step). Nothing is computed.
+
+  Args:
+    model: a Flax module built with dAD dense layers.
+    *sample_args: per-site inputs (arrays or ``jax.ShapeDtypeStruct``).
+    **sample_kwargs: keyword inputs.
+
+  Returns:
+    One :class:`LayerPlan` per layer, in call order; ``dense_bits`` is the
+    fp32 all-reduce size of the layer's kernel and bias.
+  """
+  plans: dict[str, LayerPlan] = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if isinstance(module, Dense) and context.method_name == "__call__":
+      shape = jax.ShapeDtypeStruct(np.shape(args[0]), args[0].dtype)
+      rows, d_in, d_out = int(np.prod(shape.shape[:-1])), shape.shape[-1], module.features
+      config = module.config()
+      number_bits = np.dtype(module.dtype or shape.dtype).itemsize * 8
+      gather, reduce = layer_bits(config, rows, d_in, d_out, module.use_bias, number_bits)
+      path = "/".join(module.path)
+      plans.setdefault(path, LayerPlan(
+          path, config.mode, layer_route(config, rows, d_in, d_out, module.use_bias), rows,
+          d_in, d_out, gather, reduce, (d_in * d_out + (d_out if module.use_bias else 0)) * 32))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    _init_shapes(model, sample_args, sample_kwargs)
+  return list(plans.values())
+
+
+def effective_ranks(model_state: Any, *, which: str = "rank") -> dict[str, np.ndarray]:
+  """Effective ranks the rank-dAD layers found in their last backward pass.
+
+  Args:
+    model_state: ``TrainState.model_state`` (or a ``"dad_state"`` tree, or
+      a variables dict); stacked per site or not.
+    which: ``"rank"`` (each site's local factorization) or
+      ``"rank_global"`` (the two-way global result).
+
+  Returns:
+    ``{layer path: ranks}``, one value per site when the state is stacked
+    (mean over the layer's uses in the step, e.g. over scanned time steps).
+  """
+  tree = model_state.get(STATE_COLLECTION, model_state) if isinstance(model_state, dict) else model_state
+  out = {}
+
+  def visit(node, path):
+    if isinstance(node, dict):
+      if "uses" in node and which in node:
+        uses = host_array(node["uses"]).astype(np.float64)
+        value = host_array(node[which]).astype(np.float64)
+        out["/".join(path[:-1] if path and path[-1] == STATE_NAME else path)] = np.where(
+            uses > 0, value / np.where(uses > 0, uses, 1.0), 0.0)
+        return
+      for k, v in node.items():
+        visit(v, path + (str(k),))
+
+  visit(dict(tree), ())
+  return out
+
+
+def _resolve(mask: MaskLike, tree: Any) -> Any:
+  return mask(tree) if callable(mask) else mask
+
+
+def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int | None]:
+  """``(gather, reduce, collectives)`` from the ``model_comm`` extra argument.
+
+  A tree of sown values (the ``"comm"`` collection) is split by sow name
+  (``reduce_bits`` vs the rest) and every sown count is one collective call
+  (a count stacked by ``nn.scan`` is one call per step). A single summed
+  :class:`Bits` counts as gather bits, dAD's main collective, and the
+  number of calls is unknown (``None``).
+  """
+  if model_comm is None:
+    return bits_zero(), bits_zero(), 0
+  if isinstance(model_comm, Bits):
+    return bits_reduce(model_comm), bits_zero(), None
+  gather, reduce, calls = bits_zero(), bits_zero(), 0
+  flat = jax.tree_util.tree_flatten_with_path(model_comm, is_leaf=lambda x: isinstance(x, Bits))[0]
+  for path, leaf in flat:
+    if isinstance(leaf, Bits):
+      calls += int(np.size(leaf.lo))
+      if "reduce_bits" in path_names(path):
+        reduce = bits_add(reduce, bits_reduce(leaf))
+      else:
+        gather = bits_add(gather, bits_reduce(leaf))
+  return gather, reduce, calls
+
+
+class SynchronizeState(NamedTuple):
+  """State of :func:`synchronize`: the dAD ledger and ``other``'s state."""
+
+  comm: CommStats
+  other: Any
+
+
+def synchronize(
+    mask: MaskLike,
+    other: optax.GradientTransformation | None = None,
+    *,
+    axis_name: str | None = "data",
+    record_model_comm: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Synchronize a dAD model's gradients: dAD leaves pass, the rest go to ``other``.
+
+  Put it first in the optimizer chain, where ``dadjax.allreduce`` would go::
+
+      mask = dadjax.dad.layer_mask(model, x_site)
+      tx = optax.chain(dadjax.dad.synchronize(mask), optax.adam(1e-3))
+
+  Leaves marked in ``mask`` were already synchronized by their layer's
+  backward pass and are returned unchanged; all other leaves are
+  transformed by ``other`` (nothing stays local). The ledger records the
+  bits the layers reported through the ``model_comm`` extra argument
+  (``dense`` = the fp32 size of the dAD leaves); ``other`` keeps its own
+  ledger, and :func:`dadjax.comm_stats` sums both.
+
+  Gradient accumulation: inside ``optax.MultiSteps`` the inner state is
+  kept only on the k-th call, but dAD layers communicate on every
+  microbatch. Count their bits outside the accumulator::
+
+      optax.chain(dadjax.dad.model_ledger(), optax.MultiSteps(
+          optax.chain(synchronize(mask, record_model_comm=False), opt), k))
+
+  Args:
+    mask: pytree of bools over the parameters (:func:`layer_mask`), or a
+      callable ``params -> mask``.
+    other: transformation for the non-dAD leaves; default
+      ``dadjax.allreduce(axis_name)``. Any compressor works.
+    axis_name: the sites' axis (used for the default ``other``).
+    record_model_comm: record ``model_comm`` in this ledger (default True).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`SynchronizeState`.
+
+  References:
+    Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
+    Differentiation" (https://arxiv.org/abs/2102.09631).
+  """
+  other = allreduce(axis_name) if other is None else other
+  inner = optax.masked(other, lambda tree: jax.tree.map(lambda b: not b, _resolve(mask, tree)))
+
+  def init_fn(params):
+    return SynchronizeState(ledger_init(), inner.init(params))
+
+  def update_fn(updates, state, params=None, *, model_comm=None, **extra_args):
+    out, other_state = inner.update(updates, state.other, params, **extra_args)
+    marked = _resolve(mask, updates)
+    dad_leaves = jax.tree.leaves(jax.tree.map(lambda u, b: u if b else None, updates, marked))
+    gather, reduce, calls = _model_bits(model_comm) if record_model_comm else (0, 0, 0)
+    if calls is None:  # summed bits: assume one collective per dAD layer
+      calls = len({path_names(p)[:-1] for p, b in jax.tree_util.tree_flatten_with_path(marked)[0] if b})
+    comm = ledger_record(state.comm, gather=gather, reduce=reduce,
+                         dense=tree_dense_bits(dad_leaves), collectives=calls)
+    return out, SynchronizeState(comm, other_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class ModelLedgerState(NamedTuple):
+  comm: CommStats
+
+
+def model_ledger() -> optax.GradientTransformationExtraArgs:
+  """Identity on the updates; records the ``model_comm`` bits of every call.
+
+  For gradient accumulation, where :func:`synchronize` sits inside
+  ``optax.MultiSteps`` and would see only every k-th call (see there).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with a ledger in its state.
+  """
+
+  def init_fn(params):
+    del params
+    return ModelLedgerState(ledger_init())
+
+  def update_fn(updates, state, params=None, *, model_comm=None, **extra_args):
+    del params, extra_args
+    gather, reduce, calls = _model_bits(model_comm)
+    return updates, ModelLedgerState(ledger_record(state.comm, gather=gather, reduce=reduce,
+                                                   collectives=calls or 0))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
