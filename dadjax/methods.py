@@ -48,5 +48,5 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Me
   except ImportError as e:  # dAD not built in this install
     errors.append(str(e))
   from dadjax import compress  # pylint: disable=g-import-not-at-top
-  compressor = compress.get_compressor(spec, seed=seed)
-  return Method(spec, compress.compressed(compressor, axis_name=axis_name))
+  return Method(spec, compress.compressed(compress.get_compressor(spec), axis_name=axis_name,
+                                         seed=seed))

@@ -117,10 +117,11 @@ def _site_grads(fn):
 # -- exact dAD equals the all-reduce gradient ---------------------------------
 
 
-def test_exact_mlp_matches_allreduce_and_ledger():
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_exact_mlp_matches_allreduce_and_ledger(backend):
   x, y = _data((16, 12), classes=5)
   make = lambda dense: MLP(hidden=(10,), num_classes=5, dense=dense)
-  ref, got, state, mask = _dad_vs_allreduce(make, x, y, backend="vmap")
+  ref, got, state, mask = _dad_vs_allreduce(make, x, y, backend=backend)
   _assert_trees_close(ref, got)
   assert all(jax.tree.leaves(mask))  # every MLP parameter is a dAD layer
   # Ledger: rows * (d_in + d_out) * 32 per layer; bias from D costs nothing.
@@ -130,13 +131,14 @@ def test_exact_mlp_matches_allreduce_and_ledger():
   assert summary.updates == 2
 
 
-def test_exact_gru_matches_allreduce_per_step_capture():
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_exact_gru_matches_allreduce_per_step_capture(backend):
   # The GRU's input-to-hidden layer sees rows = batch x time; the
   # hidden-to-hidden layer runs inside nn.scan and all-gathers per step.
   x, y = _data((16, 5), ints=11)
   make = lambda dense: GRUClassifier(hidden=6, num_classes=3, vocab_size=11, embed_dim=5,
                                      dense=dense)
-  ref, got, state, mask = _dad_vs_allreduce(make, x, y, backend="vmap")
+  ref, got, state, mask = _dad_vs_allreduce(make, x, y, backend=backend)
   _assert_trees_close(ref, got)
   assert mask["embed"]["embedding"] is False and mask["cell"]["hh"]["kernel"] is True
   hh = jax.tree.map(lambda v: np.asarray(v)[0], state.model_state["dad_state"]["cell"]["hh"]["dad"])
