@@ -4,9 +4,11 @@ from dadjax.parallel._mesh import initialize, make_mesh
 from dadjax.parallel._step import (
     BACKENDS,
     COMM_COLLECTION,
+    LocalGradients,
     STATE_COLLECTION,
     TrainState,
     TrainStep,
+    local_gradients,
     make_train_step,
     softmax_cross_entropy,
     stack_sites,

@@ -140,33 +140,55 @@ class TrainStep:
     return unstack_site(state.params, site)
 
 
+class LocalGradients(NamedTuple):
+  """One site's backward pass, before the optimizer sees it."""
+
+  loss: jax.Array
+  logits: jax.Array
+  grads: Any  # gradients of the "params" collection
+  model_state: Any  # non-parameter collections after the step (overwritten state)
+  extra_args: dict  # optax extra arguments: {"model_comm": sown bits} when a layer communicated
+
+
+def local_gradients(model, loss, params, model_state, batch) -> LocalGradients:
+  """Loss, logits and gradients of one site's rows, as the train step computes them.
+
+  Layers that communicate in their backward pass (dAD) have already done so
+  when this returns; their sown bits come back in ``extra_args`` for
+  ``tx.update(..., **extra_args)``, and their ``"dad_state"`` variables are
+  replaced by their gradient (the new state).
+  """
+  x, y = batch["x"], batch["y"]
+  overwrite = {k: v for k, v in model_state.items() if k == STATE_COLLECTION}
+  fixed = {k: v for k, v in model_state.items() if k != STATE_COLLECTION}
+
+  def loss_fn(diff_vars):
+    logits, sown = model.apply({**fixed, **diff_vars}, x, mutable=[COMM_COLLECTION])
+    return loss(logits, y), (logits, sown)
+
+  (value, (logits, sown)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      {"params": params, **overwrite})
+  extra = {}
+  if jax.tree.leaves(sown.get(COMM_COLLECTION, {})):
+    extra["model_comm"] = sown[COMM_COLLECTION]
+  new_model_state = {**fixed, **{k: grads[k] for k in overwrite}}
+  return LocalGradients(value, logits, grads["params"], new_model_state, extra)
+
+
 def _site_program(model, tx, loss, axis_name):
   """The step as one site runs it; collectives name ``axis_name``."""
   tx = optax.with_extra_args_support(tx)
 
   def site_step(state: TrainState, batch):
-    x, y = batch["x"], batch["y"]
-    overwrite = {k: v for k, v in state.model_state.items() if k == STATE_COLLECTION}
-    fixed = {k: v for k, v in state.model_state.items() if k != STATE_COLLECTION}
-
-    def loss_fn(diff_vars):
-      logits, sown = model.apply({**fixed, **diff_vars}, x, mutable=[COMM_COLLECTION])
-      return loss(logits, y), (logits, sown)
-
-    (value, (logits, sown)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        {"params": state.params, **overwrite})
-    extra = {}
-    if jax.tree.leaves(sown.get(COMM_COLLECTION, {})):
-      extra["model_comm"] = sown[COMM_COLLECTION]
-    updates, opt_state = tx.update(grads["params"], state.opt_state, state.params, **extra)
+    local = local_gradients(model, loss, state.params, state.model_state, batch)
+    updates, opt_state = tx.update(local.grads, state.opt_state, state.params, **local.extra_args)
     params = optax.apply_updates(state.params, updates)
-    model_state = {**fixed, **{k: grads[k] for k in overwrite}}
     metrics = {
-        "loss": value,
-        "accuracy": jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32)),
+        "loss": local.loss,
+        "accuracy": jnp.mean((jnp.argmax(local.logits, -1) == batch["y"]).astype(jnp.float32)),
     }
     metrics = mean_over_sites(metrics, axis_name)
-    return TrainState(state.step + 1, params, opt_state, model_state), metrics
+    return TrainState(state.step + 1, params, opt_state, local.model_state), metrics
 
   return site_step
 
