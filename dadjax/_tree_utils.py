@@ -54,3 +54,16 @@ def tree_nbits(tree: Any) -> int:
   """
   return sum(math.prod(jnp.shape(x)) * np.dtype(x.dtype).itemsize * 8
              for x in jax.tree.leaves(tree))
+
+
+def path_names(path) -> tuple[str, ...]:
+  """A key path from ``tree_flatten_with_path`` as plain names (``("block", "kernel")``)."""
+  out = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        out.append(str(getattr(entry, attr)))
+        break
+    else:
+      out.append(str(entry))
+  return tuple(out)

@@ -15,7 +15,8 @@ import jax
 import optax
 
 from dadjax.dad._dense import DadConfig, Dense
-from dadjax.dad._sync import path_names, synchronize
+from dadjax._tree_utils import path_names
+from dadjax.dad._sync import synchronize
 
 _FLAGS = {"two_way": ("aggregation", "two_way"), "warm": ("warm_start", True),
           "ef": ("error_feedback", True)}

@@ -25,22 +25,10 @@ import optax
 from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits_zero, host_array,
                          ledger_init, ledger_record, tree_dense_bits)
 from dadjax.dad._dense import STATE_NAME, Dense, layer_bits, layer_route
+from dadjax._tree_utils import path_names
 from dadjax.parallel import STATE_COLLECTION
 
 MaskLike = Any | Callable[[Any], Any]
-
-
-def path_names(path) -> tuple[str, ...]:
-  """A key path from ``tree_flatten_with_path`` as plain names (``("block", "kernel")``)."""
-  out = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        out.append(str(getattr(entry, attr)))
-        break
-    else:
-      out.append(str(entry))
-  return tuple(out)
 
 
 def _init_shapes(model: nn.Module, args, kwargs):
