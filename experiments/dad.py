@@ -36,17 +36,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-import flax.linen as nn  # pylint: disable=g-import-not-at-top
-import jax
+import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import dadjax
-from dadjax import compress, dad, data, models
-from dadjax.comm import NetworkModel, comm_stats, tree_bits
-from dadjax.parallel import (COMM_COLLECTION, STATE_COLLECTION, make_train_step,
-                             softmax_cross_entropy, unstack_site)
+from dadjax import dad
+from dadjax.comm import NetworkModel, comm_stats
+from dadjax.config import Config
+from dadjax.methods import build_method
+from dadjax.parallel import local_gradients, make_train_step, softmax_cross_entropy
+from dadjax.train import build, evaluate, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parent
 NOTES = """\
@@ -54,11 +54,9 @@ Notes.
 - bits/step/site is the ledger: the payload each site hands to collectives.
   The ring column is the bandwidth term of `dadjax.NetworkModel` at 1 Gbit/s:
   dAD and rank-dAD all-gather, so a bit costs them about N/2 = 4 times more
-  wire time than an all-reduced bit (PowerSGD, fp32 all-reduce).
-- The train step currently hands the optimizer the *sum* of the bits the dAD
-  layers sow, which the ledger books as all-gather; `auto_dad`'s all-reduce
-  route (and two-way's broadcast) is therefore priced as all-gather in the
-  ring column (its bits are right). Passing the sown tree fixes it.
+  wire time than an all-reduced bit (PowerSGD, fp32 all-reduce). The train
+  step hands the optimizer the tree of bits the dAD layers sow, so
+  `auto_dad`'s all-reduce route is priced as all-reduce.
 - GRU: the hidden-to-hidden layer runs inside `nn.scan`, so it is captured
   per time step (T = 8 collectives, and rank-dAD sends T r (d_in + d_out)
   numbers for it); `auto_dad` decides per call, i.e. per time step.
@@ -73,75 +71,29 @@ DEFAULT_CONFIGS = ("configs/dad_mlp.json", "configs/dad_gru.json", "configs/dad_
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
-  """One task: data, model, training and the methods to compare.
+class Task:
+  """One task: a ``dadjax.config.Config`` (data, model, training), a name and the methods.
 
-  Attributes:
-    name: short task name (file names, table titles).
-    dataset: ``"digits"`` or ``"synthetic_seq"``.
-    dataset_kwargs: loader arguments.
-    model: ``"mlp"``, ``"gru"`` or ``"transformer"``.
-    model_kwargs: model fields.
-    num_sites: sites (simulated with ``vmap``).
-    partition: ``"iid"``, ``"by_class"`` or ``"dirichlet"``.
-    batch_per_site: rows per site per step.
-    steps: training steps.
-    lr, momentum: SGD hyperparameters.
-    seed: seeds parameters, partition, batches and methods.
-    eval_every: evaluation and gradient-error probe interval.
-    methods: ``"pooled"``, ``"allreduce"``, dAD specs (``"dad"``,
-      ``"auto_dad"``, ``"rank_dad:R"``) or compressor specs
-      (``"powersgd:R"``, ``"ef_topk:0.01"``, ...).
+  ``methods``: ``"pooled"`` (fp32 all-reduce on one site holding every
+  site's rows), or any ``dadjax.methods.build_method`` spec (``"allreduce"``,
+  ``"dad"``, ``"auto_dad"``, ``"rank_dad:R"``, ``"powersgd:R"``, ...).
   """
 
   name: str
-  dataset: str = "digits"
-  dataset_kwargs: dict = dataclasses.field(default_factory=dict)
-  model: str = "mlp"
-  model_kwargs: dict = dataclasses.field(default_factory=dict)
-  num_sites: int = 8
-  partition: str = "by_class"
-  batch_per_site: int = 8
-  steps: int = 150
-  lr: float = 0.1
-  momentum: float = 0.9
-  seed: int = 0
-  eval_every: int = 50
-  methods: tuple = ("pooled", "allreduce", "dad")
+  config: Config
+  methods: tuple[str, ...]
 
 
-def load_config(path: str | pathlib.Path, **overrides) -> TaskConfig:
+def load_task(path: str | pathlib.Path, steps: int | None = None) -> Task:
+  """A task JSON: ``name``, ``methods`` and any ``Config`` fields but ``method``."""
   raw = json.loads(pathlib.Path(path).read_text())
-  raw.update({k: v for k, v in overrides.items() if v is not None})
-  unknown = set(raw) - {f.name for f in dataclasses.fields(TaskConfig)}
-  if unknown:
-    raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-  raw["methods"] = tuple(raw.get("methods", TaskConfig.methods))
-  return TaskConfig(**raw)
-
-
-def _dataset(cfg: TaskConfig):
-  if cfg.dataset == "digits":
-    return data.load_digits(**cfg.dataset_kwargs)
-  if cfg.dataset == "synthetic_seq":
-    return data.synthetic_sequences(seed=cfg.seed, **cfg.dataset_kwargs)
-  raise ValueError(f"dataset must be 'digits' or 'synthetic_seq', got {cfg.dataset!r}")
-
-
-def _model(cfg: TaskConfig, dataset, dense=nn.Dense):
-  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.model_kwargs.items()}
-  if dataset.vocab_size is not None:
-    kwargs.setdefault("vocab_size", dataset.vocab_size)
-  return models.get_model(cfg.model, dataset.num_classes, dense=dense, **kwargs)
-
-
-def _method(spec: str, axis_name: str, seed: int):
-  """``(communicating tx, dense factory)`` for a method spec."""
-  if spec in ("allreduce", "pooled"):
-    return dadjax.allreduce(axis_name), nn.Dense
-  if dad.is_method(spec):
-    return dad.get_method(spec, axis_name=axis_name, seed=seed)
-  return compress.compressed(compress.get_compressor(spec), axis_name=axis_name, seed=seed), nn.Dense
+  name = raw.pop("name", pathlib.Path(path).stem)
+  methods = tuple(raw.pop("methods", ("pooled", "allreduce", "dad")))
+  if "method" in raw:
+    raise ValueError(f"{path}: list the methods to compare under 'methods', not 'method'")
+  if steps is not None:
+    raw["steps"] = steps
+  return Task(name, Config(backend="vmap").replace(**raw), methods)  # checks keys and values
 
 
 def _probe(model, base_model, comm_tx):
@@ -155,20 +107,9 @@ def _probe(model, base_model, comm_tx):
   comm_tx = optax.with_extra_args_support(comm_tx)
 
   def site(params, comm_state, model_state, batch):
-    x, y = batch["x"], batch["y"]
-    overwrite = {k: v for k, v in model_state.items() if k == STATE_COLLECTION}
-    fixed = {k: v for k, v in model_state.items() if k != STATE_COLLECTION}
-
-    def loss_fn(diff):
-      logits, sown = model.apply({**fixed, **diff}, x, mutable=[COMM_COLLECTION])
-      return softmax_cross_entropy(logits, y), sown
-
-    grads, sown = jax.grad(loss_fn, has_aux=True)({"params": params, **overwrite})
-    extra = {}
-    if jax.tree.leaves(sown.get(COMM_COLLECTION, {})):
-      extra["model_comm"] = tree_bits(sown[COMM_COLLECTION])
-    synced, _ = comm_tx.update(grads["params"], comm_state, params, **extra)
-    exact = jax.grad(lambda p: softmax_cross_entropy(base_model.apply({"params": p}, x), y))(params)
+    local = local_gradients(model, softmax_cross_entropy, params, model_state, batch)
+    synced, _ = comm_tx.update(local.grads, comm_state, params, **local.extra_args)
+    exact = local_gradients(base_model, softmax_cross_entropy, params, {}, batch).grads
     exact = jax.lax.pmean(exact, "data")
     num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(synced), jax.tree.leaves(exact)))
     den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(exact))
@@ -177,25 +118,17 @@ def _probe(model, base_model, comm_tx):
   return jax.jit(jax.vmap(site, axis_name="data"))
 
 
-def _evaluate(apply, params, x, y, batch=512):
-  correct = 0
-  for i in range(0, len(x), batch):
-    correct += int(np.sum(np.argmax(np.asarray(apply({"params": params}, x[i:i + batch])), -1)
-                          == y[i:i + batch]))
-  return correct / len(x)
-
-
-def run_method(cfg: TaskConfig, spec: str, dataset, batcher) -> dict:
+def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
   """Train one method; returns its history and summary row."""
+  cfg = task.config
   pooled = spec == "pooled"
   sites = 1 if pooled else cfg.num_sites
-  comm_tx, dense = _method(spec, "data", cfg.seed)
-  model = _model(cfg, dataset, dense)
-  base_model = _model(cfg, dataset)
-  tx = optax.chain(comm_tx, optax.sgd(cfg.lr, momentum=cfg.momentum or None))
-  step = make_train_step(model, tx, num_sites=sites, backend="vmap")
+  method = build_method("allreduce" if pooled else spec, "data", cfg.seed)
+  model = base_model.clone(dense=method.dense) if method.dense is not None else base_model
+  step = make_train_step(model, make_optimizer(cfg, method.tx), num_sites=sites,
+                         backend=cfg.backend)
   state = step.init(jax.random.key(cfg.seed), dataset.x_train[:cfg.batch_per_site])
-  probe = None if pooled else _probe(model, base_model, comm_tx)
+  probe = None if pooled else _probe(model, base_model, method.tx)
   apply = jax.jit(base_model.apply)
   # Bandwidth term only: at these tiny sizes latency would dominate, and it
   # depends on how many collectives XLA fuses, which the ledger cannot see.
@@ -214,12 +147,10 @@ def run_method(cfg: TaskConfig, spec: str, dataset, batcher) -> dict:
       found = dad.effective_ranks(state.model_state)
       if found:
         ranks.append(float(np.mean([np.mean(v) for v in found.values()])))
-      summary = comm_stats(state.opt_state) if not pooled else None
       history.append({
           "step": t + 1,
-          "test_accuracy": _evaluate(apply, unstack_site(state.params), dataset.x_test,
-                                     dataset.y_test),
-          "total_bits": summary.total if summary else 0,
+          "test_accuracy": evaluate(apply, state, dataset.x_test, dataset.y_test),
+          "total_bits": 0 if pooled else comm_stats(state.opt_state).total,
       })
   summary = None if pooled else comm_stats(state.opt_state)
   return {
@@ -235,23 +166,23 @@ def run_method(cfg: TaskConfig, spec: str, dataset, batcher) -> dict:
   }
 
 
-def run_task(cfg: TaskConfig, methods=None, log=print) -> list[dict]:
-  dataset = _dataset(cfg)
-  parts = data.partition(dataset.y_train, cfg.num_sites, scheme=cfg.partition, seed=cfg.seed)
-  batcher = data.SiteBatcher(dataset.x_train, dataset.y_train, parts, cfg.batch_per_site,
-                             seed=cfg.seed)
+def run_task(task: Task, methods=None, log=print) -> list[dict]:
+  # dadjax.train.build loads and partitions the data and builds the plain
+  # (nn.Dense) model; each method swaps in its dense factory.
+  dataset, _, batcher, plain = build(task.config.replace(method="allreduce"))
   rows = []
-  for spec in methods or cfg.methods:
-    row = run_method(cfg, spec, dataset, batcher)
-    log(f"  {cfg.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  "
+  for spec in methods or task.methods:
+    row = run_method(task, spec, dataset, batcher, plain.model)
+    log(f"  {task.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  "
         f"bits/step {row['bits_per_step']:>9,}  grad err {row['grad_error']:.2e}  "
         f"({row['wall_s']:.1f}s)")
     rows.append(row)
   return rows
 
 
-def format_table(cfg: TaskConfig, rows: list[dict]) -> str:
-  lines = [f"### {cfg.name}: {cfg.model} on {cfg.dataset}, {cfg.num_sites} sites "
+def format_table(task: Task, rows: list[dict]) -> str:
+  cfg = task.config
+  lines = [f"### {task.name}: {cfg.model} on {cfg.dataset}, {cfg.num_sites} sites "
            f"({cfg.partition}), {cfg.batch_per_site} rows/site, {cfg.steps} steps",
            "",
            "| method | test acc | bits/step/site | vs fp32 | ring transfer/step @1Gb/s (ms) "
@@ -267,7 +198,7 @@ def format_table(cfg: TaskConfig, rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(cfg: TaskConfig, rows: list[dict], path: pathlib.Path) -> None:
+def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -292,7 +223,7 @@ def plot(cfg: TaskConfig, rows: list[dict], path: pathlib.Path) -> None:
   right.set_xlabel("bits per step per site")
   right.set_ylabel("relative gradient error vs exact")
   right.legend(fontsize=7, ncol=2)
-  fig.suptitle(f"{cfg.name}: {cfg.model}, {cfg.num_sites} sites")
+  fig.suptitle(f"{task.name}: {task.config.model}, {task.config.num_sites} sites")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -316,13 +247,13 @@ def main(argv=None) -> int:
               f"(sites run under `vmap`).\n"]
   t0 = time.perf_counter()
   for path in configs:
-    cfg = load_config(path, steps=args.steps)
-    print(f"[{cfg.name}] {path}", flush=True)
-    rows = run_task(cfg, methods)
-    table = format_table(cfg, rows)
+    task = load_task(path, steps=args.steps)
+    print(f"[{task.name}] {path}", flush=True)
+    rows = run_task(task, methods)
+    table = format_table(task, rows)
     print(table, flush=True)
-    plot(cfg, rows, out / f"dad_{cfg.name}.png")
-    sections.append(table + f"\n\n![{cfg.name}](dad_{cfg.name}.png)\n")
+    plot(task, rows, out / f"dad_{task.name}.png")
+    sections.append(table + f"\n\n![{task.name}](dad_{task.name}.png)\n")
   sections.append(NOTES)
   sections.append(f"Total wall time: {time.perf_counter() - t0:.0f} s (2 CPU cores).\n")
   (out / "dad.md").write_text("\n".join(sections))
