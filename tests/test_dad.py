@@ -454,3 +454,74 @@ def test_method_specs_give_factory_and_mask():
                      ("rank_dad:2:fast", "flag")):
     with pytest.raises(ValueError, match=name):
       dad.get_method(spec)
+
+
+
+# -- GRU with stack_time_rows: one hh call over batch x time rows -----------------
+
+
+def _gru(dense, stack_time_rows=True):
+  return GRUClassifier(hidden=6, num_classes=3, vocab_size=11, embed_dim=5, dense=dense,
+                       stack_time_rows=stack_time_rows)
+
+
+def _hh_entries(model, x):
+  """Shapes of the bits ``cell/hh`` sows in one forward pass (nothing is computed)."""
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  variables.pop("comm", None)
+  _, sown = jax.eval_shape(lambda v: model.apply(v, x, mutable=["comm"]), variables)
+  return [b.lo.shape for b in sown["comm"]["cell"]["hh"]["gather_bits"]]
+
+
+def test_exact_gru_stack_time_rows_matches_allreduce_one_call():
+  # The dAD paper's layout: hh's rows carry the time axis, one backward for
+  # all 2 x 5 rows per site (one all-gather instead of 5).
+  x, y = _data((16, 5), ints=11)
+  ref, got, state, mask = _dad_vs_allreduce(_gru, x, y, backend="shard_map")
+  _assert_trees_close(ref, got)
+  assert mask["cell"]["hh"]["kernel"] is True and mask["embed"]["embedding"] is False
+  hh = jax.tree.map(lambda v: np.asarray(v)[0], state.model_state["dad_state"]["cell"]["hh"]["dad"])
+  assert float(hh["uses"]) == 1 and float(dad.current_state(hh)["step"]) == 2
+  # Same rows as per-step gathering, counted once, in one collective.
+  ih_bits = 2 * 5 * (5 + 18) * 32
+  hh_bits = 2 * 5 * (6 + 18) * 32  # rows = B x T, one layer call
+  head_bits = 2 * (6 + 3) * 32
+  embed_bits = 11 * 5 * 32
+  assert dadjax.comm_stats(state.opt_state).bits_per_step == ih_bits + hh_bits + head_bits + embed_bits
+  assert _hh_entries(_gru(dad.Dense), x[:2]) == [()]  # one call, no time axis
+  assert _hh_entries(_gru(dad.Dense, stack_time_rows=False), x[:2]) == [(5,)]  # one per step
+  (plan,) = [p for p in dad.layer_plan(_gru(dad.Dense), x[:2]) if p.path == "cell/hh"]
+  assert plan.rows == 2 * 5 and plan.gather_bits == hh_bits
+
+
+def _site_model_grads(make, x, y, params):
+  """Per-site gradients (vmap-simulated sites) and the bits each site sowed."""
+
+  def site(x, y):
+    def loss(p):
+      logits, sown = make().apply({"params": p}, x, mutable=["comm"])
+      return softmax_cross_entropy(logits, y), tree_bits(sown)
+    return jax.grad(loss, has_aux=True)(params)
+
+  return jax.jit(jax.vmap(site, axis_name=AXIS))(x.reshape(SITES, -1, *x.shape[1:]),
+                                                 y.reshape(SITES, -1))
+
+
+def test_rank_gru_stack_time_rows_factorizes_once_and_converges():
+  x, y = _data((16, 5), ints=11)
+  params = _gru(nn.Dense).init(jax.random.key(0), x[:2])["params"]
+  ref, _ = _site_model_grads(lambda: _gru(nn.Dense), x, y, params)
+  exact = np.asarray(ref["cell"]["hh"]["kernel"]).mean(axis=0)  # the all-reduce gradient
+  errors = []
+  for rank in (1, 2, 6):  # local hh gradient: 10 rows of d_in 6, rank <= 6
+    def dense(features, name=None, rank=rank, **kwargs):  # rank-dAD on hh only (fast compile)
+      mode = dict(mode="rank", rank=rank, iters=30, tol=0.0) if name == "hh" else dict(mode="local")
+      return dad.Dense(features, name=name, **mode, **kwargs)
+    grads, bits = _site_model_grads(lambda: _gru(dense), x, y, params)
+    got = np.asarray(grads["cell"]["hh"]["kernel"])
+    np.testing.assert_allclose(got[0], got[-1], atol=1e-6)  # every site applies the same update
+    errors.append(np.linalg.norm(got[0] - exact) / np.linalg.norm(exact))
+    # One factorization of sum_t A_t^T D_t, sent once (not 5 times): r (6 + 18) + 18 bias sums.
+    assert bits_to_int(bits) == [(rank * (6 + 18) + 18) * 32] * SITES
+  assert errors[0] > errors[1] > errors[2], errors
+  assert errors[-1] < 1e-4, errors

@@ -1,5 +1,6 @@
 """Tests for dadjax.models: shapes, swappable dense factory, ResNet-18 size,
-finite gradients, GRU scan vs. a python-loop reference, get_model."""
+finite gradients, GRU scan vs. a python-loop reference, GRU with
+stack_time_rows vs. the scan, get_model."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -169,6 +170,38 @@ def test_gru_comm_collection_is_stacked_over_time():
     _, state = jax.jit(lambda p: model.apply({"params": p}, tok, mutable=["comm"]))(params)
     assert state["comm"]["cell"]["hh"]["rows"][0].shape == (12,)  # one entry per step
     assert int(state["comm"]["ih"]["rows"][0]) == B * 12  # projected once, rows = B*T
+
+
+def test_gru_stack_time_rows_matches_scan_and_calls_hh_once():
+    # Same parameter tree, outputs and gradients as the scan; hh runs once on B*T rows.
+    class SowDense(nn.Dense):
+        @nn.compact
+        def __call__(self, x):
+            self.sow("comm", "rows", jnp.asarray(x.reshape(-1, x.shape[-1]).shape[0]))
+            return super().__call__(x)
+
+    kw = dict(hidden=16, num_classes=NC, vocab_size=20, dense=SowDense)
+    base, rows = GRUClassifier(**kw), GRUClassifier(**kw, stack_time_rows=True)
+    x = _tokens()
+    params = jax.jit(base.init)(_key(), x)["params"]
+    shapes = lambda m: jax.tree.map(jnp.shape, jax.eval_shape(m.init, _key(), x)["params"])
+    assert shapes(rows) == shapes(base)
+    y = jnp.arange(B) % NC
+
+    def loss(model, p):
+        lg, sown = model.apply({"params": p}, x, mutable=["comm"])
+        return -jnp.mean(jax.nn.log_softmax(lg)[jnp.arange(B), y]), (lg, sown["comm"])
+
+    grads = jax.jit(lambda p: [jax.grad(lambda q, m=m: loss(m, q), has_aux=True)(p)
+                               for m in (base, rows)])
+    (g_ref, (out_ref, comm_ref)), (g, (out, comm)) = grads(params)
+    np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, jax.jit(_gru_reference)(params, x), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert comm_ref["cell"]["hh"]["rows"][0].shape == (12,)  # scan: one call per step
+    (n,) = comm["cell"]["hh"]["rows"]  # stack_time_rows: one call, rows = B * T
+    assert n.shape == () and int(n) == B * 12
 
 
 def test_get_model():

@@ -3,13 +3,13 @@ factory (``nn.Dense`` by default, ``dadjax.dad.Dense`` for dAD training)."""
 import flax.linen as nn
 
 from dadjax.models._cnn import CNN
-from dadjax.models._gru import GRUClassifier, GRUStep
+from dadjax.models._gru import GRUClassifier, GRUStep, GRUTimeRows
 from dadjax.models._mlp import MLP
 from dadjax.models._resnet import BasicBlock, ResNet, ResNet18
 from dadjax.models._transformer import Transformer, TransformerBlock
 
 __all__ = [
-    "MLP", "CNN", "ResNet", "ResNet18", "BasicBlock", "GRUClassifier", "GRUStep",
+    "MLP", "CNN", "ResNet", "ResNet18", "BasicBlock", "GRUClassifier", "GRUStep", "GRUTimeRows",
     "Transformer", "TransformerBlock", "get_model",
 ]
 
