@@ -1,4 +1,5 @@
 """Multi-layer perceptron classifier."""
+
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -6,30 +7,30 @@ import jax.numpy as jnp
 
 
 class MLP(nn.Module):
-    """ReLU MLP on flattened inputs.
+  """ReLU MLP on flattened inputs.
 
-    Input:  ``(batch, ...)`` float array; everything after the batch axis is
-            flattened.
-    Output: logits ``(batch, num_classes)``.
+  Input:  ``(batch, ...)`` float array; everything after the batch axis is
+          flattened.
+  Output: logits ``(batch, num_classes)``.
 
-    Attributes:
-      hidden: widths of the hidden layers (default ``(64, 64)``).
-      num_classes: number of output classes (default 10).
-      dense: factory for every fully-connected layer, called as
-        ``dense(features, use_bias=..., name=...)`` (default ``nn.Dense``).
+  Attributes:
+    hidden: widths of the hidden layers (default ``(64, 64)``).
+    num_classes: number of output classes (default 10).
+    dense: factory for every fully-connected layer, called as
+      ``dense(features, use_bias=..., name=...)`` (default ``nn.Dense``).
 
-    Reference: Rumelhart, Hinton & Williams, "Learning representations by
-    back-propagating errors", Nature 1986.
-    """
+  Reference: Rumelhart, Hinton & Williams, "Learning representations by
+  back-propagating errors", Nature 1986.
+  """
 
-    hidden: Sequence[int] = (64, 64)
-    num_classes: int = 10
-    dense: Callable[..., nn.Module] = nn.Dense
+  hidden: Sequence[int] = (64, 64)
+  num_classes: int = 10
+  dense: Callable[..., nn.Module] = nn.Dense
 
-    @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-        del train  # no train-dependent layers
-        x = x.reshape(x.shape[0], -1)
-        for i, width in enumerate(self.hidden):
-            x = nn.relu(self.dense(width, use_bias=True, name=f"hidden_{i}")(x))
-        return self.dense(self.num_classes, use_bias=True, name="head")(x)
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    del train  # no train-dependent layers
+    x = x.reshape(x.shape[0], -1)
+    for i, width in enumerate(self.hidden):
+      x = nn.relu(self.dense(width, use_bias=True, name=f"hidden_{i}")(x))
+    return self.dense(self.num_classes, use_bias=True, name="head")(x)
