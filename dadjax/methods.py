@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import optax
 
+from dadjax import compress, dad
 from dadjax.comm import allreduce
 
 
@@ -39,14 +40,8 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Me
   """
   if spec in ("allreduce", "fp32"):
     return Method(spec, allreduce(axis_name))
-  errors = []
-  try:
-    from dadjax import dad  # pylint: disable=g-import-not-at-top
-    if dad.is_method(spec):
-      tx, dense = dad.get_method(spec, axis_name=axis_name, seed=seed)
-      return Method(spec, tx, dense)
-  except ImportError as e:  # dAD not built in this install
-    errors.append(str(e))
-  from dadjax import compress  # pylint: disable=g-import-not-at-top
+  if dad.is_method(spec):
+    tx, dense = dad.get_method(spec, axis_name=axis_name, seed=seed)
+    return Method(spec, tx, dense)
   return Method(spec, compress.compressed(compress.get_compressor(spec), axis_name=axis_name,
                                          seed=seed))

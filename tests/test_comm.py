@@ -117,3 +117,18 @@ def test_network_model_step_time_from_ledger():
 def test_network_model_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dadjax.NetworkModel(**kwargs)
+
+
+def test_step_time_charges_each_kind_its_own_calls():
+  params = {"w": jnp.ones((64, 64)), "b": jnp.ones((64,))}
+  tx = optax.partition({"topk": dadjax.compressed(dadjax.compress.topk(0.1), axis_name=None),
+                        "fp32": dadjax.allreduce(None)}, {"w": "topk", "b": "fp32"})
+  _, state = tx.update(params, tx.init(params))
+  summary = dadjax.comm_stats(state)
+  k = round(0.1 * 64 * 64)
+  assert summary.reduce_bits == (64 * 32,) and summary.reduce_calls == 1
+  assert summary.gather_bits == (k * 64,) and summary.gather_calls >= 1
+  net = dadjax.NetworkModel(bandwidth=1e9, latency=1e-3, num_sites=4)
+  expected = (2 * 3 / 4 * 64 * 32 / 1e9 + 2 * 3 * 1e-3
+              + 3 * k * 64 / 1e9 + 3 * 1e-3 * summary.gather_calls)
+  assert net.step_time(summary) == pytest.approx(expected)

@@ -96,7 +96,7 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
     updates = mean_over_sites(updates, axis_name)
     bits = tree_dense_bits(updates)
     comm = ledger_record(state.comm, reduce=bits, dense=bits,
-                         collectives=len(jax.tree.leaves(updates)))
+                         reduce_calls=len(jax.tree.leaves(updates)))
     return updates, AllReduceState(comm)
 
   return optax.GradientTransformation(init_fn, update_fn)

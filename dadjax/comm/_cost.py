@@ -61,13 +61,8 @@ class NetworkModel:
   def step_time(self, summary: CommSummary) -> float:
     """Modeled seconds of one step's communication, from a ledger read-out.
 
-    Latency is charged once per collective call, split between the two
-    kinds in proportion to their payload.
+    Every collective call recorded in the ledger pays the latency term of
+    its kind; the payloads pay the bandwidth term.
     """
-    reduce = max(summary.reduce_bits)
-    gather = max(summary.gather_bits)
-    calls = summary.collectives
-    total = reduce + gather
-    reduce_calls = calls if gather == 0 else (0 if reduce == 0 else max(1, round(calls * reduce / total)))
-    gather_calls = calls - reduce_calls
-    return self.allreduce_time(reduce, reduce_calls) + self.allgather_time(gather, gather_calls)
+    return (self.allreduce_time(max(summary.reduce_bits), summary.reduce_calls)
+            + self.allgather_time(max(summary.gather_bits), summary.gather_calls))

@@ -29,8 +29,9 @@ FP32_BITS = 32
 class CommStats(NamedTuple):
   """Per-site communication of the last step and since the start.
 
-  All counts are :class:`Bits` (exact 64-bit); ``step_collectives`` is the
-  number of collective calls in the last step (for latency modeling).
+  All counts are :class:`Bits` (exact 64-bit); ``step_reduce_calls`` and
+  ``step_gather_calls`` count the collective calls of each kind in the last
+  step (each call pays the network's latency).
   """
 
   step_reduce: Bits
@@ -38,7 +39,8 @@ class CommStats(NamedTuple):
   step_dense: Bits
   total_sent: Bits
   total_dense: Bits
-  step_collectives: jax.Array
+  step_reduce_calls: jax.Array
+  step_gather_calls: jax.Array
   updates: jax.Array
 
 
@@ -52,7 +54,7 @@ def _as_bits(x: BitsLike) -> Bits:
 def ledger_init() -> CommStats:
   """An empty ledger."""
   z = bits_zero()
-  return CommStats(z, z, z, z, z, jnp.int32(0), jnp.int32(0))
+  return CommStats(z, z, z, z, z, jnp.int32(0), jnp.int32(0), jnp.int32(0))
 
 
 def ledger_record(
@@ -61,7 +63,8 @@ def ledger_record(
     reduce: BitsLike = 0,
     gather: BitsLike = 0,
     dense: BitsLike = 0,
-    collectives: int | jax.Array = 0,
+    reduce_calls: int | jax.Array = 0,
+    gather_calls: int | jax.Array = 0,
 ) -> CommStats:
   """Replace the last step's numbers and add them to the running totals.
 
@@ -71,7 +74,8 @@ def ledger_record(
       (Python int when known at trace time, :class:`Bits` when traced).
     gather: bits this site handed to all-gather collectives this step.
     dense: bits an fp32 all-reduce of the same tensors would have sent.
-    collectives: number of collective calls this step.
+    reduce_calls: number of all-reduce calls this step.
+    gather_calls: number of all-gather calls this step.
 
   Returns:
     The updated ledger.
@@ -84,7 +88,8 @@ def ledger_record(
       step_dense=dense,
       total_sent=bits_add(stats.total_sent, sent),
       total_dense=bits_add(stats.total_dense, dense),
-      step_collectives=jnp.asarray(collectives, jnp.int32),
+      step_reduce_calls=jnp.asarray(reduce_calls, jnp.int32),
+      step_gather_calls=jnp.asarray(gather_calls, jnp.int32),
       updates=stats.updates + 1,
   )
 
@@ -117,8 +122,14 @@ class CommSummary:
   dense_bits: tuple[int, ...]
   total_bits: tuple[int, ...]
   total_dense_bits: tuple[int, ...]
-  collectives: int
+  reduce_calls: int
+  gather_calls: int
   updates: int
+
+  @property
+  def collectives(self) -> int:
+    """Collective calls per step, both kinds."""
+    return self.reduce_calls + self.gather_calls
 
   @property
   def bits_per_step(self) -> int:
@@ -177,7 +188,7 @@ def comm_stats(state: Any) -> CommSummary:
                      "communicating transformation part of the optimizer?")
   fields = dict(reduce_bits=(0,), gather_bits=(0,), dense_bits=(0,),
                 total_bits=(0,), total_dense_bits=(0,))
-  collectives = 0
+  calls = {"reduce_calls": 0, "gather_calls": 0}
   updates = 0
   for s in found:
     fields["reduce_bits"] = _add_tuples(fields["reduce_bits"], _per_site(s.step_reduce))
@@ -185,6 +196,7 @@ def comm_stats(state: Any) -> CommSummary:
     fields["dense_bits"] = _add_tuples(fields["dense_bits"], _per_site(s.step_dense))
     fields["total_bits"] = _add_tuples(fields["total_bits"], _per_site(s.total_sent))
     fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.total_dense))
-    collectives += int(np.max(host_array(s.step_collectives)))
+    calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls)))
+    calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls)))
     updates = max(updates, int(np.max(host_array(s.updates))))
-  return CommSummary(**fields, collectives=collectives, updates=updates)
+  return CommSummary(**fields, **calls, updates=updates)

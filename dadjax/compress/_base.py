@@ -67,7 +67,8 @@ class Traffic(NamedTuple):
 
   reduce: int | Bits
   gather: int | Bits
-  collectives: int
+  reduce_calls: int
+  gather_calls: int
 
 
 class Exchanged(NamedTuple):
@@ -144,14 +145,14 @@ def one_round_exchange(compressor: Compressor, grads: Any, state: Any, key: Any,
   if compressor.communication == "reduce":
     summed = sum_over_sites(payload, axis_name)
     mean = tree_scale(compressor.decompress(summed, grads, key), 1.0 / axis_size(axis_name))
-    traffic = Traffic(reduce=bits, gather=0, collectives=calls)
+    traffic = Traffic(reduce=bits, gather=0, reduce_calls=calls, gather_calls=0)
   else:
     gathered = gather_sites(payload, axis_name)
     if compressor.aggregate is None:
       mean = mean_of_decompressed(compressor, gathered, grads, key)
     else:
       mean = compressor.aggregate(gathered, grads, key)
-    traffic = Traffic(reduce=0, gather=bits, collectives=calls)
+    traffic = Traffic(reduce=0, gather=bits, reduce_calls=0, gather_calls=calls)
   return Exchanged(tree_cast_like(mean, grads), local, state, traffic)
 
 

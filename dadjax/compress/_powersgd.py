@@ -220,7 +220,7 @@ def powersgd(
     new_state = PowerSGDState(
         tuple(q / num_sites for q in qs) if warm_start else (),
         tuple(memory) if error_feedback else ())
-    traffic = Traffic(reduce=tree_nbits(sent), gather=0, collectives=len(sent))
+    traffic = Traffic(reduce=tree_nbits(sent), gather=0, reduce_calls=len(sent), gather_calls=0)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
                     new_state, traffic)
     return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)

@@ -66,7 +66,8 @@ def compressed(
     out = exchange(compressor, updates, state.inner, keys, axis_name)
     comm = ledger_record(state.comm, reduce=out.traffic.reduce, gather=out.traffic.gather,
                          dense=tree_dense_bits(updates),
-                         collectives=out.traffic.collectives)
+                         reduce_calls=out.traffic.reduce_calls,
+                         gather_calls=out.traffic.gather_calls)
     return out.mean, CompressedState(state.count + 1, out.state, comm)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -152,29 +152,30 @@ def _resolve(mask: MaskLike, tree: Any) -> Any:
   return mask(tree) if callable(mask) else mask
 
 
-def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int | None]:
-  """``(gather, reduce, collectives)`` from the ``model_comm`` extra argument.
+def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int, int | None]:
+  """``(gather, reduce, reduce_calls, gather_calls)`` from ``model_comm``.
 
   A tree of sown values (the ``"comm"`` collection) is split by sow name
   (``reduce_bits`` vs the rest) and every sown count is one collective call
   (a count stacked by ``nn.scan`` is one call per step). A single summed
   :class:`Bits` counts as gather bits, dAD's main collective, and the
-  number of calls is unknown (``None``).
+  number of gather calls is unknown (``None``).
   """
   if model_comm is None:
-    return bits_zero(), bits_zero(), 0
+    return bits_zero(), bits_zero(), 0, 0
   if isinstance(model_comm, Bits):
-    return bits_reduce(model_comm), bits_zero(), None
-  gather, reduce, calls = bits_zero(), bits_zero(), 0
+    return bits_reduce(model_comm), bits_zero(), 0, None
+  gather, reduce, reduce_calls, gather_calls = bits_zero(), bits_zero(), 0, 0
   flat = jax.tree_util.tree_flatten_with_path(model_comm, is_leaf=lambda x: isinstance(x, Bits))[0]
   for path, leaf in flat:
     if isinstance(leaf, Bits):
-      calls += int(np.size(leaf.lo))
       if "reduce_bits" in path_names(path):
         reduce = bits_add(reduce, bits_reduce(leaf))
+        reduce_calls += int(np.size(leaf.lo))
       else:
         gather = bits_add(gather, bits_reduce(leaf))
-  return gather, reduce, calls
+        gather_calls += int(np.size(leaf.lo))
+  return gather, reduce, reduce_calls, gather_calls
 
 
 class SynchronizeState(NamedTuple):
@@ -238,11 +239,14 @@ def synchronize(
     out, other_state = inner.update(updates, state.other, params, **extra_args)
     marked = _resolve(mask, updates)
     dad_leaves = jax.tree.leaves(jax.tree.map(lambda u, b: u if b else None, updates, marked))
-    gather, reduce, calls = _model_bits(model_comm) if record_model_comm else (0, 0, 0)
-    if calls is None:  # summed bits: assume one collective per dAD layer
-      calls = len({path_names(p)[:-1] for p, b in jax.tree_util.tree_flatten_with_path(marked)[0] if b})
+    gather, reduce, reduce_calls, gather_calls = (
+        _model_bits(model_comm) if record_model_comm else (0, 0, 0, 0))
+    if gather_calls is None:  # summed bits: assume one collective per dAD layer
+      gather_calls = len({path_names(p)[:-1]
+                          for p, b in jax.tree_util.tree_flatten_with_path(marked)[0] if b})
     comm = ledger_record(state.comm, gather=gather, reduce=reduce,
-                         dense=tree_dense_bits(dad_leaves), collectives=calls)
+                         dense=tree_dense_bits(dad_leaves), reduce_calls=reduce_calls,
+                         gather_calls=gather_calls)
     return out, SynchronizeState(comm, other_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -268,8 +272,9 @@ def model_ledger() -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, *, model_comm=None, **extra_args):
     del params, extra_args
-    gather, reduce, calls = _model_bits(model_comm)
+    gather, reduce, reduce_calls, gather_calls = _model_bits(model_comm)
     return updates, ModelLedgerState(ledger_record(state.comm, gather=gather, reduce=reduce,
-                                                   collectives=calls or 0))
+                                                   reduce_calls=reduce_calls,
+                                                   gather_calls=gather_calls or 0))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
