@@ -43,5 +43,9 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Me
   if dad.is_method(spec):
     tx, dense = dad.get_method(spec, axis_name=axis_name, seed=seed)
     return Method(spec, tx, dense)
-  return Method(spec, compress.compressed(compress.get_compressor(spec), axis_name=axis_name,
-                                         seed=seed))
+  try:
+    compressor = compress.get_compressor(spec)
+  except ValueError as e:
+    raise ValueError(f"unknown method {spec!r}: not 'allreduce', not a dAD spec "
+                     f"({', '.join(dad.VALID_SPECS)}), and {e}") from e
+  return Method(spec, compress.compressed(compressor, axis_name=axis_name, seed=seed))

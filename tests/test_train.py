@@ -77,3 +77,8 @@ def test_cli_train_runs_and_rejects_unknown_keys(capsys):
   with pytest.raises(SystemExit):
     cli.main(["train", "stepz=2"])
   assert "unknown config key" in capsys.readouterr().err
+
+
+def test_unknown_method_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="unknown method 'topq:0.1'.*rank_dad.*topk"):
+    train(Config(**{**SMALL, "method": "topq:0.1"}), progress=False)
