@@ -40,6 +40,11 @@ def format_table(runs: list[Run]) -> str:
     row = run.final
     lines.append(f"| {row['method']} | {run.config.lr:g} | {row['test_accuracy']:.3f} | {row['bits_per_step']:,} | "
                  f"{row['compression_ratio']:.1f}x | {row['modeled_comm_s']:.3f} | {row['wall_s']:.1f} |")
+  config = runs[0].config
+  lines.append("")
+  lines.append(f"Modeled comm: {config.topology} collectives at {config.bandwidth / 1e9:g} Gbit/s with "
+               f"{config.latency * 1e6:g} us latency per collective call, summed over "
+               f"{config.steps} steps; on a model this small the latency term dominates.")
   return "\n".join(lines)
 
 
