@@ -199,23 +199,20 @@ def leafwise(
     payload = tuple(compress_leaf(x, leaf_keys(key, i)) for i, x in enumerate(leaves))
     return payload, state
 
-  def decompress(payload, like, key):
-    key = as_keys(key)
-    like_leaves, treedef = jax.tree.flatten(like)
-    out = [decompress_leaf(p, l, leaf_keys(key, i))
-           for i, (p, l) in enumerate(zip(payload, like_leaves))]
-    return jax.tree.unflatten(treedef, out)
+  def over_leaves(leaf_fn):
+    """Lift ``leaf_fn(payload_i, like_i, keys_i)`` to the whole payload tuple."""
 
-  aggregate = None
-  if aggregate_leaf is not None:
-    def aggregate(gathered, like, key):
+    def apply(payload, like, key):
       key = as_keys(key)
       like_leaves, treedef = jax.tree.flatten(like)
-      out = [aggregate_leaf(p, l, leaf_keys(key, i))
-             for i, (p, l) in enumerate(zip(gathered, like_leaves))]
+      out = [leaf_fn(p, l, leaf_keys(key, i)) for i, (p, l) in enumerate(zip(payload, like_leaves))]
       return jax.tree.unflatten(treedef, out)
 
-  return Compressor(init, compress, decompress, tree_nbits, communication, aggregate)
+    return apply
+
+  aggregate = None if aggregate_leaf is None else over_leaves(aggregate_leaf)
+  return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
+                    aggregate)
 
 
 def check_ratio(name: str, value) -> float:
