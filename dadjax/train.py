@@ -124,27 +124,47 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
              initial=start, total=config.steps, leave=False)
   t0 = time.perf_counter()
   metrics = None
-  for step in bar:
-    x, y = batcher.batch_at(step)
-    state, metrics = step_fn(state, {"x": x, "y": y})
-    done = step + 1
-    if done % config.eval_every == 0 or done == config.steps:
-      row = _log_row(config, apply, state, metrics, dataset, network, done, time.perf_counter() - t0)
-      history.append(row)
-      bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
-      if out_file:
-        out_file.write(json.dumps(row) + "\n")
-        out_file.flush()
-      if log:
-        log(row)
-    if manager and (done % config.checkpoint_every == 0 or done == config.steps):
-      manager.save(done, args=ocp.args.StandardSave(state))
-  if manager:
-    manager.wait_until_finished()
-    manager.close()
-  if out_file:
-    out_file.close()
+  try:
+    for step in bar:
+      x, y = batcher.batch_at(step)
+      state, metrics = step_fn(state, {"x": x, "y": y})
+      done = step + 1
+      log_now = done % config.eval_every == 0 or done == config.steps
+      save_now = manager is not None and (done % config.checkpoint_every == 0
+                                          or done == config.steps)
+      if log_now or save_now:  # the only host syncs of the loop
+        _check_finite(metrics, done, config, manager)
+      if log_now:
+        row = _log_row(config, apply, state, metrics, dataset, network, done,
+                       time.perf_counter() - t0)
+        history.append(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
+        if out_file:
+          out_file.write(json.dumps(row) + "\n")
+          out_file.flush()
+        if log:
+          log(row)
+      if save_now:
+        manager.save(done, args=ocp.args.StandardSave(state))
+  finally:
+    if manager:
+      manager.wait_until_finished()
+      manager.close()
+    if out_file:
+      out_file.close()
   return Run(config, state, step_fn, history, dataset)
+
+
+def _check_finite(metrics, step: int, config: Config, manager) -> None:
+  """Stop on a non-finite loss before it is logged or checkpointed."""
+  loss = float(host_array(metrics["loss"])[0])
+  if not np.isfinite(loss):
+    kept = manager.latest_step() if manager is not None else None
+    raise FloatingPointError(
+        f"training diverged: loss is {loss} at step {step} (method={config.method!r}, "
+        f"lr={config.lr}); "
+        + (f"the last finite checkpoint, step {kept}, is kept" if kept is not None
+           else "no checkpoint was written"))
 
 
 def _log_row(config, apply, state, metrics, dataset, network, step, seconds) -> dict:

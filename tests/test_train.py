@@ -82,3 +82,15 @@ def test_cli_train_runs_and_rejects_unknown_keys(capsys):
 def test_unknown_method_lists_the_valid_ones():
   with pytest.raises(ValueError, match="unknown method 'topq:0.1'.*rank_dad.*topk"):
     train(Config(**{**SMALL, "method": "topq:0.1"}), progress=False)
+
+
+def test_divergence_stops_before_a_nan_is_checkpointed(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  good = Config(**{**SMALL, "steps": 3}, checkpoint_dir=str(ckpt), checkpoint_every=3)
+  train(good, progress=False)
+  # Resume the same run with an absurd learning rate: the loss overflows.
+  bad = good.replace(steps=9, lr=1e30)
+  with pytest.raises(FloatingPointError, match="diverged.*last finite checkpoint, step 3"):
+    train(bad, progress=False)
+  resumed = train(good.replace(steps=6), progress=False)
+  assert resumed.final["step"] == 6 and np.isfinite(resumed.final["loss"])
