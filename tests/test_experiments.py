@@ -1,0 +1,36 @@
+"""Experiment scripts still run end to end (small settings; marked slow)."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _run(args, tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return proc.stdout
+
+
+@pytest.mark.slow
+def test_dad_experiment_runs(tmp_path):
+  _run(["experiments/dad.py", "--config", "experiments/configs/dad_mlp.json", "--steps", "20",
+        "--methods", "allreduce,dad,rank_dad:2,powersgd:2", "--out", str(tmp_path)], tmp_path)
+  table = (tmp_path / "dad.md").read_text()
+  for method in ("allreduce", "dad", "rank_dad:2", "powersgd:2"):
+    assert f"| {method} |" in table
+
+
+@pytest.mark.slow
+def test_compressor_benchmark_runs(tmp_path):
+  out = tmp_path / "bench.md"
+  _run(["experiments/bench_compressors.py", "--host-devices", "2", "--sites", "2", "--batch", "4",
+        "--width", "8", "--steps", "2", "--warmup", "1", "--methods", "topk:0.01,powersgd:4",
+        "--markdown", str(out)], tmp_path)
+  text = out.read_text()
+  assert "topk:0.01" in text and "powersgd:4" in text
