@@ -508,12 +508,16 @@ class Dense(nn.Module):
     super().__post_init__()
 
   def config(self, seed: int | None = None) -> DadConfig:
-    """This layer's :class:`DadConfig` (``seed`` overrides the field)."""
-    return DadConfig(
-        axis_name=self.axis_name, mode=self.mode, rank=self.rank, iters=self.iters,
-        tol=self.tol, aggregation=self.aggregation, warm_start=self.warm_start,
-        error_feedback=self.error_feedback, seed=self.seed if seed is None else seed,
-        precision=self.precision)
+    """This layer's :class:`DadConfig` (``seed`` overrides the field).
+
+    The module repeats DadConfig's fields so that ``Dense(features, rank=2)``
+    works like ``nn.Dense``; the config is read from them by name, so a new
+    DadConfig field needs only its module field.
+    """
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DadConfig)}
+    if seed is not None:
+      fields["seed"] = seed
+    return DadConfig(**fields)
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
