@@ -22,6 +22,14 @@ from dadjax.comm._collectives import (
     sum_over_sites,
 )
 from dadjax.comm._cost import NetworkModel
+from dadjax.comm._metered import (
+    NO_TRAFFIC,
+    Traffic,
+    metered_all_gather,
+    metered_pmean,
+    metered_psum,
+    traffic_add,
+)
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,

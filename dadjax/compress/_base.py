@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._tree_utils import tree_cast_like, tree_nbits, tree_num_leaves, tree_scale
-from dadjax.comm import Bits, axis_size, gather_sites, site_index, sum_over_sites
+from dadjax.comm import Bits, Traffic, axis_size, gather_sites, site_index, sum_over_sites
 
 COMMUNICATIONS = ("reduce", "gather")
 
@@ -60,15 +60,6 @@ def step_keys(seed: int, step: jax.Array, axis_name: str | None) -> Keys:
 def leaf_keys(keys: Keys, i: int) -> Keys:
   """The keys of leaf ``i``."""
   return Keys(jax.random.fold_in(keys.shared, i), jax.random.fold_in(keys.site, i))
-
-
-class Traffic(NamedTuple):
-  """What one site handed to collectives in one exchange."""
-
-  reduce: int | Bits
-  gather: int | Bits
-  reduce_calls: int
-  gather_calls: int
 
 
 class Exchanged(NamedTuple):

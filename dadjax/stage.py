@@ -1,0 +1,82 @@
+"""The batch-stage protocol: methods that act on a site's batch.
+
+A data-side method (data quantization) runs *instead of* the plain
+backward pass of the train step: it may transform the site's batch,
+communicate (through the metered collectives of :mod:`dadjax.comm`), call
+the step's gradient function as often as it needs (e.g. once on the
+gathered quantized data and once more for a correction) and hands back
+the gradient the optimizer should see. The train step knows such methods
+only through this interface; this module imports nothing above ``comm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from dadjax.comm._metered import Traffic
+
+
+class GradResult(NamedTuple):
+  """One backward pass as the train step computes it.
+
+  Attributes:
+    loss: scalar loss of the rows it was computed on.
+    aux: the loss function's auxiliary output (a pytree; e.g. logits).
+    grads: gradients of the ``"params"`` collection.
+    model_state: non-parameter collections after the pass.
+    extra_args: extra keyword arguments for ``tx.update`` (``model_comm``
+      when a layer communicated in its backward pass).
+  """
+
+  loss: jax.Array
+  aux: Any
+  grads: Any
+  model_state: Any
+  extra_args: dict
+
+
+class StageContext(NamedTuple):
+  """What the step gives a batch stage.
+
+  Attributes:
+    grad_fn: ``(params, batch) -> GradResult`` with the step's loss, model
+      state, rng and ``train=True`` bound. A batch is a dict; an optional
+      ``"weight"`` entry (rows,) weights each row's loss (the default losses
+      honour it: weighted mean).
+    loss_fn: ``(params, batch) -> (loss, aux)``, the same binding without a
+      gradient (e.g. for per-sample importance scores).
+    axis_name: the sites' axis (``None``: one site).
+    key: this site's key for the stage in this step (already folded with
+      the step and the site index).
+    shared_key: the key of this step shared by every site.
+    step: the step counter (int32 scalar).
+  """
+
+  grad_fn: Callable[[Any, Any], GradResult]
+  loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]]
+  axis_name: str | None
+  key: jax.Array
+  shared_key: jax.Array
+  step: jax.Array
+
+
+class StageOutput(NamedTuple):
+  """What a batch stage returns: the gradient result, its new state, its traffic."""
+
+  result: GradResult
+  state: Any
+  traffic: Traffic
+
+
+class BatchStage(NamedTuple):
+  """A data-side method.
+
+  Attributes:
+    init: ``params -> state`` (per site).
+    apply: ``(ctx: StageContext, params, batch, state) -> StageOutput``.
+  """
+
+  init: Callable[[Any], Any]
+  apply: Callable[[StageContext, Any, Any, Any], StageOutput]
