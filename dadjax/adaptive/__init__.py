@@ -1,0 +1,28 @@
+"""Adaptive communication: Accordion's critical-regime detector and switches.
+
+* :func:`accordion`: per tensor, a low- or high-compression setting of any
+  compressor, chosen by the detector.
+* :func:`accordion_batch`: the detector on the whole-model norm switches the
+  global batch size (gradient accumulation with a traced number of steps).
+* the detector itself (:func:`detector_init`, :func:`detector_update`,
+  :func:`is_critical`), and host helpers for metrics rows and a heat map.
+"""
+
+from dadjax.adaptive._accordion import (
+    AccordionState,
+    accordion,
+    accordion_row,
+    find_accordion_state,
+    tensor_names,
+)
+from dadjax.adaptive._batch import AccordionBatchState, accordion_batch, batch_row
+from dadjax.adaptive._detector import (
+    DetectorState,
+    detector_init,
+    detector_lr_decrease,
+    detector_update,
+    is_critical,
+    lr_decreased,
+    norm_bits,
+)
+from dadjax.adaptive._plot import decision_matrix, plot_decisions

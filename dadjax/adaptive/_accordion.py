@@ -1,0 +1,282 @@
+"""``accordion(low, high)``: per tensor, switch between two compressor settings.
+
+Each update: the detector's current decision picks, per tensor with ndim >= 2,
+the ``low``-compression setting (critical regime) or the ``high`` one; the
+choice is a ``lax.cond`` on a decision that is equal on every site, so every
+site issues the same collectives, and the compiled step holds both branches'
+collectives but runs only the chosen one. Each setting keeps its own state per
+tensor (PowerSGD's warm-start ``Q``, error-feedback memory); the setting that
+is not chosen keeps its state untouched, so after an excursion to the other
+setting it resumes where it stopped. Tensors with ndim <= 1 are all-reduced
+uncompressed in fp32. Then the detector takes this step's uncompressed local
+gradient (see :mod:`dadjax.adaptive._detector`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dadjax._tree_utils import path_names
+from dadjax.adaptive import _vary
+from dadjax.adaptive._detector import (
+    DetectorState,
+    check_window,
+    detector_init,
+    detector_lr_decrease,
+    detector_update,
+    lr_decreased as _lr_decreased,
+    norm_bits,
+)
+from dadjax.comm import (
+    Bits,
+    CommStats,
+    bits_add,
+    bits_const,
+    bits_from_count,
+    bits_zero,
+    host_array,
+    ledger_init,
+    ledger_record,
+    metered_pmean,
+    tree_dense_bits,
+)
+from dadjax.compress import Compressor, exchange, step_keys
+from dadjax.compress._base import leaf_keys
+
+
+class AccordionState(NamedTuple):
+  """State of :func:`accordion`.
+
+  Attributes:
+    count: int32 step counter (drives the keys and the LR schedule).
+    detector: the :class:`DetectorState` (per-tensor ``critical`` decisions
+      and window ``norms``, one entry per leaf of the parameters).
+    low: one state of the ``low`` setting per leaf (``()`` for ndim <= 1).
+    high: one state of the ``high`` setting per leaf (``()`` for ndim <= 1).
+    compressed: (T,) bool, per leaf: ndim >= 2 (sent through a compressor).
+    sent_low: (T,) bool, per leaf: sent with ``low`` in the last step (False
+      for uncompressed leaves).
+    lr: fp32 learning rate of the last step (``-1`` without ``lr_schedule``).
+    comm: the ledger: the chosen settings' payloads, the uncompressed
+      tensors and, at window ends, the detector's norms.
+  """
+
+  count: jax.Array
+  detector: DetectorState
+  low: tuple
+  high: tuple
+  compressed: jax.Array
+  sent_low: jax.Array
+  lr: jax.Array
+  comm: CommStats
+
+
+def _compressed(leaf) -> bool:
+  return len(jnp.shape(leaf)) >= 2
+
+
+def _as_bits(x) -> Bits:
+  return x if isinstance(x, Bits) else bits_const(int(x))
+
+
+def accordion(
+    low: Compressor,
+    high: Compressor,
+    *,
+    window: int,
+    interval: int = 1,
+    eta: float = 0.5,
+    lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
+    axis_name: str | None = "data",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """Accordion: compress with ``low`` in critical regimes and ``high`` elsewhere.
+
+  Per tensor with ndim >= 2 (a one-leaf tree given to
+  :func:`dadjax.compress.exchange`): ``low`` when the detector marks it
+  critical, else ``high``. Tensors with ndim <= 1 go through one fp32
+  all-reduce. The decision used at step ``t`` is the one of the last check
+  (all tensors critical until the first checks, and all critical after a
+  learning-rate decrease until the next check); the step's uncompressed local
+  gradient then enters the detector. Both settings' states are kept across
+  switches. The ledger records what was sent that step.
+
+  A learning-rate decrease is read from ``lr_schedule`` (``schedule(t) <
+  schedule(t - 1)``) or signalled by the caller with the extra argument
+  ``tx.update(..., lr_decreased=True)``.
+
+  Args:
+    low: the low-compression :class:`~dadjax.compress.Compressor` (critical
+      regime), e.g. ``powersgd(rank=2)`` or ``error_feedback(topk(0.99))``.
+    high: the high-compression one, e.g. ``powersgd(rank=1)`` or
+      ``error_feedback(topk(0.1))``.
+    window: steps per detector window, int >= 1 (steps per epoch in the
+      paper).
+    interval: windows between checks, int >= 1 (10 for CIFAR in the paper).
+    eta: threshold on the relative change of the norm, finite > 0 (0.5).
+    lr_schedule: the optimizer's ``optax`` schedule (step -> learning rate),
+      or ``None``.
+    axis_name: the sites' axis; ``None`` runs as one site.
+    seed: seed of the compressors' keys (step ``t``, tensor ``i``:
+      ``fold_in(fold_in(key(seed), t), i)``).
+
+  Returns:
+    An optax transformation with state :class:`AccordionState`.
+
+  Raises:
+    ValueError: if ``low`` / ``high`` are not compressors or a
+      hyperparameter is out of range.
+
+  References:
+    Agarwal, Wang, Lee, Venkataraman & Papailiopoulos, "Accordion: Adaptive
+    Gradient Communication via Critical Learning Regime Identification",
+    MLSys 2021 (https://arxiv.org/abs/2010.16248).
+  """
+  for name, c in (("low", low), ("high", high)):
+    if not isinstance(c, Compressor):
+      raise ValueError(f"{name} must be a dadjax.compress.Compressor, got {type(c).__name__}")
+  window, interval, eta = check_window(window, interval, eta)
+  if lr_schedule is not None and not callable(lr_schedule):
+    raise ValueError(f"lr_schedule must be callable (step -> lr) or None, got {lr_schedule!r}")
+  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    raise ValueError(f"seed must be an int, got {seed!r}")
+
+  def init_fn(params):
+    leaves = jax.tree.leaves(params)
+    lows = tuple(low.init((x,)) if _compressed(x) else () for x in leaves)
+    highs = tuple(high.init((x,)) if _compressed(x) else () for x in leaves)
+    compressed = jnp.asarray([_compressed(x) for x in leaves], bool)
+    return AccordionState(jnp.zeros([], jnp.int32), detector_init(params), lows, highs,
+                          compressed, jnp.zeros([len(leaves)], bool), jnp.float32(-1.0),
+                          ledger_init())
+
+  def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
+    del params, extra
+    leaves, treedef = jax.tree.flatten(updates)
+    detector = state.detector
+    if lr_schedule is not None:
+      detector = detector_lr_decrease(detector, _lr_decreased(lr_schedule, state.count))
+      lr = jnp.asarray(lr_schedule(state.count), jnp.float32)
+    else:
+      lr = state.lr
+    if lr_decreased is not None:
+      detector = detector_lr_decrease(detector, lr_decreased)
+    keys = step_keys(seed, state.count, axis_name)
+
+    mean = list(leaves)
+    lows, highs = list(state.low), list(state.high)
+    reduce, gather = bits_zero(), bits_zero()
+    reduce_calls, gather_calls = jnp.int32(0), jnp.int32(0)
+    for i, x in enumerate(leaves):
+      if not _compressed(x):
+        continue
+      k = leaf_keys(keys, i)
+
+      def branch(compressor, chosen_low, x=x, k=k):
+        def run(ops):
+          s_low, s_high = ops
+          out = exchange(compressor, (x,), s_low if chosen_low else s_high, k, axis_name)
+          t = out.traffic
+          new_low, new_high = (out.state, s_high) if chosen_low else (s_low, out.state)
+          return (out.mean[0].astype(x.dtype), new_low, new_high, _as_bits(t.reduce),
+                  _as_bits(t.gather), jnp.int32(t.reduce_calls), jnp.int32(t.gather_calls))
+        return run
+
+      m, lows[i], highs[i], r, g, rc, gc = _vary.cond(
+          detector.critical[i], branch(low, True), branch(high, False),
+          (state.low[i], state.high[i]))
+      mean[i] = m
+      reduce, gather = bits_add(reduce, r), bits_add(gather, g)
+      reduce_calls, gather_calls = reduce_calls + rc, gather_calls + gc
+
+    raw = [i for i, x in enumerate(leaves) if not _compressed(x)]
+    if raw:
+      averaged, t = metered_pmean([leaves[i].astype(jnp.float32) for i in raw], axis_name)
+      for i, v in zip(raw, averaged):
+        mean[i] = v.astype(leaves[i].dtype)
+      reduce = bits_add(reduce, _as_bits(t.reduce))
+      reduce_calls = reduce_calls + t.reduce_calls
+
+    sent_low = state.compressed & detector.critical
+    detector, exchanged = detector_update(detector, updates, window=window, interval=interval,
+                                          eta=eta, axis_name=axis_name)
+    reduce = bits_add(reduce, bits_from_count(exchanged, norm_bits(detector)))
+    reduce_calls = reduce_calls + exchanged.astype(jnp.int32)
+    comm = ledger_record(state.comm, reduce=reduce, gather=gather,
+                         dense=tree_dense_bits(updates), reduce_calls=reduce_calls,
+                         gather_calls=gather_calls)
+    new_state = AccordionState(state.count + 1, detector, tuple(lows), tuple(highs),
+                               state.compressed, sent_low, lr, comm)
+    return jax.tree.unflatten(treedef, mean), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_accordion(x) -> bool:
+  return isinstance(x, AccordionState)
+
+
+def find_accordion_state(state: Any) -> AccordionState:
+  """The (first) :class:`AccordionState` inside any optax / train state.
+
+  Raises:
+    ValueError: if there is none.
+  """
+  found = [x for x in jax.tree.leaves(state, is_leaf=_is_accordion) if _is_accordion(x)]
+  if not found:
+    raise ValueError("the state holds no AccordionState; is dadjax.adaptive.accordion part of "
+                     "the optimizer?")
+  return found[0]
+
+
+def tensor_names(params: Any) -> list[str]:
+  """Names of the leaves of ``params`` (``"Dense_0/kernel"``), in leaf order."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  return ["/".join(path_names(path)) for path, _ in flat]
+
+
+def accordion_row(state: Any, params: Any = None, *, site: int = 0) -> dict:
+  """One metrics row (host Python values) of the Accordion decisions and norms.
+
+  Args:
+    state: any state holding an :class:`AccordionState` (an optax state, or
+      a train state whose leaves are stacked per site: ``site`` is read;
+      the decisions are equal on every site).
+    params: the parameters, for tensor names (default ``t0``, ``t1``, ...).
+    site: the site to read when the state is stacked.
+
+  Returns:
+    ``{"accordion/step": int, "accordion/window": int, "accordion/lr":
+    float (only with a schedule), "accordion/low/<name>": 0 | 1 (sent with
+    ``low`` in the last step; ndim <= 1 tensors are absent),
+    "accordion/critical/<name>": 0 | 1 (decision for the next step),
+    "accordion/norm/<name>": float (last window's all-reduced norm)}``.
+  """
+  acc = find_accordion_state(state)
+  count = host_array(acc.count)
+  stacked = count.ndim > 0
+
+  def get(x):
+    x = host_array(x)
+    return x[site] if stacked else x
+
+  critical, norms, sent_low = get(acc.detector.critical), get(acc.detector.norms), get(acc.sent_low)
+  names = tensor_names(params) if params is not None else [f"t{i}" for i in range(len(critical))]
+  if len(names) != len(critical):
+    raise ValueError(f"params has {len(names)} tensors, the state tracks {len(critical)}")
+  compressed = get(acc.compressed)
+  row: dict = {"accordion/step": int(get(acc.count)), "accordion/window": int(get(acc.detector.windows))}
+  lr = float(get(acc.lr))
+  if lr >= 0:
+    row["accordion/lr"] = lr
+  for name, c, n, s, comp in zip(names, critical, norms, sent_low, compressed):
+    if comp:
+      row[f"accordion/low/{name}"] = int(s)
+    row[f"accordion/critical/{name}"] = int(c)
+    row[f"accordion/norm/{name}"] = float(n)
+  return row

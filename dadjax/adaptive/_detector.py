@@ -1,0 +1,188 @@
+"""Accordion's critical-regime detector: pure functions on pytrees.
+
+Each site accumulates its *uncompressed* local gradient per parameter tensor
+over a window of ``window`` steps (an epoch in the training loop). At the end
+of every window the sites all-reduce (mean) the norms of their accumulated
+tensors -- one float per tensor per window -- so every later decision is made
+from numbers that are equal on every site. Windows are numbered 0, 1, 2, ...;
+a *check* happens at the end of each window ``w`` with ``w % interval == 0``
+and compares that window's norm with the norm of the previous check window
+(``interval`` windows earlier)::
+
+    critical  <=>  |‖g_old‖ − ‖g_now‖| / ‖g_old‖ >= eta   (‖g_old‖ = 0: critical)
+
+Before any check every tensor is critical (the first window), and the first
+check (window 0) has no earlier norm, so it is critical too: windows
+``0 .. interval`` run in the critical regime. A learning-rate decrease makes
+every tensor critical until the next check.
+
+The detector's collectives run only at window ends (under ``lax.cond`` on the
+step counter, equal on every site); :func:`detector_update` reports whether
+they ran so that the caller's ledger books them only then.
+
+References:
+  Agarwal, Wang, Lee, Venkataraman & Papailiopoulos, "Accordion: Adaptive
+  Gradient Communication via Critical Learning Regime Identification",
+  MLSys 2021 (https://arxiv.org/abs/2010.16248).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dadjax.adaptive import _vary
+from dadjax.comm import metered_pmean
+
+NORM_BITS = 32  # one fp32 norm per tensor per window
+
+
+class DetectorState(NamedTuple):
+  """The detector of one site.
+
+  Attributes:
+    steps: int32, steps accumulated in the current window.
+    windows: int32, windows completed.
+    accum: tuple of fp32 arrays, this site's gradient summed over the current
+      window, one per tracked tensor (one whole-model vector is not formed:
+      with ``whole_model`` the tensors are tracked jointly).
+    ref_norms: (T,) fp32, the all-reduced norms of the last check window
+      (0 before the first check).
+    norms: (T,) fp32, the all-reduced norms of the last completed window.
+    critical: (T,) bool, the current decision per tracked tensor (T = number
+      of tensors, or 1 with ``whole_model``).
+  """
+
+  steps: jax.Array
+  windows: jax.Array
+  accum: tuple
+  ref_norms: jax.Array
+  norms: jax.Array
+  critical: jax.Array
+
+
+def check_window(window, interval, eta) -> tuple[int, int, float]:
+  """Validate the detector's hyperparameters (``ValueError`` naming the argument)."""
+  for name, value in (("window", window), ("interval", interval)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  if (isinstance(eta, bool) or not isinstance(eta, numbers.Real)
+      or not 0 < eta < float("inf")):
+    raise ValueError(f"eta must be a finite number > 0, got {eta!r}")
+  return int(window), int(interval), float(eta)
+
+
+def is_critical(old_norm: jax.Array, new_norm: jax.Array, eta: float) -> jax.Array:
+  """Accordion's rule: ``|old - new| / old >= eta``; a zero ``old`` is critical.
+
+  Args:
+    old_norm: norms of the window ``interval`` windows earlier, any shape.
+    new_norm: norms of the window just completed, same shape.
+    eta: threshold, > 0 (the paper uses 0.5).
+
+  Returns:
+    bool array of the same shape (no NaN: a zero ``old`` never divides).
+  """
+  old_norm = jnp.asarray(old_norm, jnp.float32)
+  new_norm = jnp.asarray(new_norm, jnp.float32)
+  zero = old_norm <= 0
+  ratio = jnp.abs(old_norm - new_norm) / jnp.where(zero, 1.0, old_norm)
+  return zero | (ratio >= eta)
+
+
+def detector_init(params: Any, *, whole_model: bool = False) -> DetectorState:
+  """A fresh detector for the tensors of ``params``: every tensor critical.
+
+  Args:
+    params: the parameters (or gradients) pytree; leaves in
+      ``jax.tree.leaves`` order are the tracked tensors.
+    whole_model: track one norm over all tensors (batch-size mode).
+
+  Returns:
+    :class:`DetectorState` with ``T = len(leaves)`` (or 1).
+  """
+  leaves = jax.tree.leaves(params)
+  t = 1 if whole_model else len(leaves)
+  return DetectorState(
+      steps=jnp.zeros([], jnp.int32),
+      windows=jnp.zeros([], jnp.int32),
+      accum=tuple(jnp.zeros(jnp.shape(x), jnp.float32) for x in leaves),
+      ref_norms=jnp.zeros([t], jnp.float32),
+      norms=jnp.zeros([t], jnp.float32),
+      critical=jnp.ones([t], bool),
+  )
+
+
+def detector_lr_decrease(state: DetectorState, decreased: jax.Array | bool) -> DetectorState:
+  """Make every tensor critical (until the next check) when ``decreased`` is true."""
+  return state._replace(critical=state.critical | jnp.asarray(decreased, bool))
+
+
+def lr_decreased(lr_schedule, count: jax.Array) -> jax.Array:
+  """Whether ``lr_schedule(count) < lr_schedule(count - 1)`` (false at ``count = 0``)."""
+  now = jnp.asarray(lr_schedule(count), jnp.float32)
+  before = jnp.asarray(lr_schedule(jnp.maximum(count - 1, 0)), jnp.float32)
+  return (count > 0) & (now < before)
+
+
+def _local_norms(accum: tuple, whole_model: bool) -> jax.Array:
+  squares = jnp.stack([jnp.sum(a * a) for a in accum]) if accum else jnp.zeros([0])
+  if whole_model:
+    squares = jnp.sum(squares, keepdims=True)
+  return jnp.sqrt(squares)
+
+
+def detector_update(
+    state: DetectorState,
+    grads: Any,
+    *,
+    window: int,
+    interval: int = 1,
+    eta: float = 0.5,
+    axis_name: str | None = "data",
+    whole_model: bool = False,
+) -> tuple[DetectorState, jax.Array]:
+  """Add one step's uncompressed local gradient; at a window end, all-reduce and decide.
+
+  Args:
+    state: the detector.
+    grads: this site's gradients (same structure as at init).
+    window: steps per window (>= 1).
+    interval: windows between checks (>= 1).
+    eta: threshold of :func:`is_critical`.
+    axis_name: the sites' axis (``None``: one site).
+    whole_model: as at :func:`detector_init`.
+
+  Returns:
+    ``(state, exchanged)``: the new detector and a bool scalar, true when
+    this step ended a window and the norms were all-reduced
+    (``T * 32`` bits in one call, see :func:`norm_bits`).
+  """
+  leaves = jax.tree.leaves(grads)
+  accum = tuple(a + x.astype(jnp.float32) for a, x in zip(state.accum, leaves))
+  steps = state.steps + 1
+  end = steps >= window
+
+  def close(ops):
+    accum, _, windows, ref, _, critical = ops
+    norms, _ = metered_pmean(_local_norms(accum, whole_model), axis_name)
+    check = windows % interval == 0
+    critical = jnp.where(check, is_critical(ref, norms, eta), critical)
+    ref = jnp.where(check, norms, ref)
+    zeros = tuple(jnp.zeros_like(a) for a in accum)
+    return zeros, jnp.zeros([], jnp.int32), windows + 1, ref, norms, critical
+
+  def keep(ops):
+    return ops
+
+  ops = (accum, steps, state.windows, state.ref_norms, state.norms, state.critical)
+  accum, steps, windows, ref, norms, critical = _vary.cond(end, close, keep, ops)
+  return DetectorState(steps, windows, accum, ref, norms, critical), end
+
+
+def norm_bits(state: DetectorState) -> int:
+  """Bits one site hands to the all-reduce at a window end: 32 per tracked norm."""
+  return NORM_BITS * int(state.critical.shape[-1])
