@@ -8,7 +8,10 @@ transformation and applied; ``k`` is ``small`` in a critical regime and
 effective global batch is ``k`` micro-batches. The detector sees every
 micro-step's uncompressed local gradient and tracks one whole-model norm;
 its window is counted in micro-steps (a fixed number of samples, e.g. an
-epoch). A new ``k`` takes effect at the start of the next accumulation cycle.
+epoch). ``k`` changes only between cycles: the next cycle is small when the
+detector was critical after any micro-step of the cycle that just ended (so a
+short critical period, such as a learning-rate decrease cleared by a check in
+the middle of a cycle, still gives at least one small-batch cycle), else large.
 
 Learning-rate scaling: as the reference, the learning rate follows the linear
 scaling rule (Goyal et al. 2017): an update made from ``k`` micro-batches is
@@ -61,6 +64,8 @@ class AccordionBatchState(NamedTuple):
     k: int32 micro-steps of the current cycle (``small`` or ``large``).
     last_k: int32 micro-steps behind the last applied update (0 before one).
     updates: int32 updates applied (cycles completed).
+    critical_seen: bool, the detector was critical after some micro-step of
+      the current cycle.
     acc: this site's gradients summed over the current cycle.
     detector: the whole-model :class:`DetectorState` (T = 1).
     inner: the wrapped transformation's state.
@@ -74,6 +79,7 @@ class AccordionBatchState(NamedTuple):
   k: jax.Array
   last_k: jax.Array
   updates: jax.Array
+  critical_seen: jax.Array
   acc: Any
   detector: DetectorState
   inner: Any
@@ -134,7 +140,8 @@ def accordion_batch(
 
   def init_fn(params):
     zero = jnp.zeros([], jnp.int32)
-    return AccordionBatchState(zero, zero, jnp.int32(small), zero, zero, tree_zeros_like(params),
+    return AccordionBatchState(zero, zero, jnp.int32(small), zero, zero, jnp.zeros([], bool),
+                               tree_zeros_like(params),
                                detector_init(params, whole_model=True), inner_tx.init(params),
                                jnp.float32(-1.0), ledger_init())
 
@@ -152,7 +159,8 @@ def accordion_batch(
                          reduce_calls=exchanged.astype(jnp.int32))
     acc = tree_add(state.acc, updates)
     pending = state.pending + 1
-    next_k = jnp.where(detector.critical[0], small, large).astype(jnp.int32)
+    seen = state.critical_seen | detector.critical[0]
+    next_k = jnp.where(seen, small, large).astype(jnp.int32)
 
     def apply(ops):
       acc, inner, params, pending = ops
@@ -162,17 +170,17 @@ def accordion_batch(
         factor = state.k.astype(jnp.float32) / small
         out = jax.tree.map(lambda u: (u * factor).astype(u.dtype), out)
       return (out, tree_zeros_like(acc), inner, jnp.zeros([], jnp.int32), next_k, state.k,
-              state.updates + 1)
+              state.updates + 1, jnp.zeros([], bool))
 
     def wait(ops):
       acc, inner, _, pending = ops
       return (tree_zeros_like(updates), acc, inner, pending, state.k, state.last_k,
-              state.updates)
+              state.updates, seen)
 
-    out, acc, inner, pending, k, last_k, count = _vary.cond(
+    out, acc, inner, pending, k, last_k, count, seen = _vary.cond(
         pending >= state.k, apply, wait, (acc, state.inner, params, pending))
-    new_state = AccordionBatchState(state.micro + 1, pending, k, last_k, count, acc, detector,
-                                    inner, lr, comm)
+    new_state = AccordionBatchState(state.micro + 1, pending, k, last_k, count, seen, acc,
+                                    detector, inner, lr, comm)
     return out, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
