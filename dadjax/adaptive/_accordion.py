@@ -270,7 +270,8 @@ def accordion_row(state: Any, params: Any = None, *, site: int = 0) -> dict:
   if len(names) != len(critical):
     raise ValueError(f"params has {len(names)} tensors, the state tracks {len(critical)}")
   compressed = get(acc.compressed)
-  row: dict = {"accordion/step": int(get(acc.count)), "accordion/window": int(get(acc.detector.windows))}
+  row: dict = {"accordion/step": int(get(acc.count)),
+               "accordion/window": int(get(acc.detector.windows))}
   lr = float(get(acc.lr))
   if lr >= 0:
     row["accordion/lr"] = lr
