@@ -117,6 +117,8 @@ def test_hyperparameters_are_validated_at_construction():
     A.accordion_batch(optax.sgd(0.1), 4, 2, window=1)
   with pytest.raises(ValueError, match="small"):
     A.accordion_batch(optax.sgd(0.1), 0, 2, window=1)
+  with pytest.raises(ValueError, match="scale_lr"):
+    A.accordion_batch(optax.sgd(0.1), 1, 2, window=1, scale_lr="yes")
 
 
 # -- a switch keeps both settings' states ---------------------------------------

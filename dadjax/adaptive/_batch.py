@@ -136,6 +136,8 @@ def accordion_batch(
   window, interval, eta = check_window(window, interval, eta)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable (step -> lr) or None, got {lr_schedule!r}")
+  if not isinstance(scale_lr, bool):
+    raise ValueError(f"scale_lr must be a bool, got {scale_lr!r}")
   inner_tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):
@@ -157,6 +159,10 @@ def accordion_batch(
                                           eta=eta, axis_name=axis_name, whole_model=True)
     comm = ledger_record(state.comm, reduce=bits_from_count(exchanged, norm_bits(detector)),
                          reduce_calls=exchanged.astype(jnp.int32))
+    # Accumulation with a traced number of micro-steps ``state.k``: local sums,
+    # one call of the wrapped transformation (its collectives) per cycle. This is
+    # the seam for a shared ``accumulate(tx, every_k)`` with a traced ``every_k``:
+    # ``acc``/``pending``/``apply``/``wait`` below are all it has to provide.
     acc = tree_add(state.acc, updates)
     pending = state.pending + 1
     seen = state.critical_seen | detector.critical[0]
