@@ -28,7 +28,12 @@ def main(argv=None) -> int:
   p_demo.add_argument("--methods", help="comma-separated method specs (default: all)")
   p_demo.add_argument("--out", default="demo_out")
   p_demo.add_argument("--no-progress", action="store_true")
+  sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
   args = parser.parse_args(argv)
+  if args.command == "methods":
+    from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
+    print(describe())
+    return 0
 
   _simulate_devices(8)
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
