@@ -611,7 +611,7 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
   else:
     raise TypeError(f"{entry.name}: unsupported argument type {arg.type!r}")
   if arg.within and not _in_interval(out, arg.within):
-    raise bad(f"a {arg.type_name} in {arg.within}")
+    raise bad(f"{'an' if arg.type is int else 'a'} {arg.type_name} in {arg.within}")
   return out
 
 
@@ -659,7 +659,9 @@ def resolve(kind: str, spec: str | Spec) -> tuple[Entry, dict[str, Any]]:
   ``(entry, kwargs)``; for a method spec naming a compressor, the entry
   is the compressor's.
   """
-  text = spec if isinstance(spec, str) else format_spec(spec)
+  if not isinstance(spec, (str, Spec)):
+    raise SpecError(repr(spec), "not a string", kind)
+  text = spec.strip() if isinstance(spec, str) else format_spec(spec)
   tree = parse_spec(spec, kind) if isinstance(spec, str) else spec
   entry, tree = _find_any(kind, tree, text)
   return entry, _bind(entry, tree, text, {})
@@ -717,6 +719,8 @@ def build(kind: str, spec: str | Spec, **context: Any) -> Any:
   """
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+  if not isinstance(spec, (str, Spec)):
+    raise SpecError(repr(spec), "not a string", kind)
   text = spec.strip() if isinstance(spec, str) else format_spec(spec)
   tree = parse_spec(spec, kind) if isinstance(spec, str) else spec
   out = _build(kind, tree, text, context)
