@@ -352,11 +352,12 @@ class Entry(NamedTuple):
   prefix: str | None = None
 
   def form(self) -> str:
-    """The spec's shape, e.g. ``topk[:RATIO]``, ``rank_dad[:RANK][:two_way]``, ``ef(COMPRESSOR)``."""
+    """The spec's shape: ``topk[:RATIO]``, ``rank_dad[:RANK][:two_way]``, ``ef(COMPRESSOR)``."""
     if any(a.type in (COMPRESSOR, METHOD) for a in self.args):
       required = [a.name.upper() for a in self.args if a.required]
       optional = [f"{a.name}=.." for a in self.args if not a.required]
-      text = f"{self.name}({', '.join(required)}{'[, ' + ', '.join(optional) + ']' if optional else ''})"
+      tail = f"[, {', '.join(optional)}]" if optional else ""
+      text = f"{self.name}({', '.join(required)}{tail})"
       if self.prefix:
         text += f" or {self.prefix}{'_'.join(required) or 'X'}"
       return text
@@ -564,7 +565,8 @@ def _find(kind: str, tree: Spec, text: str) -> tuple[Entry, Spec]:
     if p and tree.name.startswith(p):
       rest = tree.name[len(p):]
       if not _NAME.match(rest):
-        raise SpecError(text, f"{p!r} must be followed by a {candidate.args[0].type_name} name", kind)
+        why = f"{p!r} must be followed by a {candidate.args[0].type_name} name"
+        raise SpecError(text, why, kind)
       inner = Spec(rest, tree.args, tree.kwargs) if (tree.args or tree.kwargs) else rest
       return candidate, Spec(candidate.name, (inner,))
   raise SpecError(text, f"unknown {kind} {tree.name!r}", kind)

@@ -71,7 +71,8 @@ def test_extension_helpers_are_not_the_public_face():
 def test_package_docstring_claims_only_what_exists():
   import dadjax  # pylint: disable=g-import-not-at-top
   doc = dadjax.__doc__.lower()
-  for family, module in (("accordion", "dadjax.adaptive"), ("data quantization", "dadjax.dataquant")):
+  for family, module in (("accordion", "dadjax.adaptive"),
+                         ("data quantization", "dadjax.dataquant")):
     if family in doc:
       importlib.import_module(module)  # claimed, so it must exist
 
@@ -89,7 +90,7 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def imports_of(path: pathlib.Path) -> set[str]:
-  """Every module a file imports (``from a import b`` yields ``a`` and ``a.b``), relative ones resolved."""
+  """Every module a file imports (``from a import b``: ``a`` and ``a.b``), relative resolved."""
   tree = ast.parse(path.read_text(), str(path))
   package = _module_name(path)
   if path.name != "__init__.py":

@@ -166,7 +166,8 @@ def test_arguments_are_typed_and_defaulted():
                                                                           "bucket_size": None}
   args = {a.name: a for a in registry.lookup("compressor", "topk").args}
   assert args["ratio"].default == 0.01  # read from topk's signature
-  assert args["ratio"].describe() == "ratio: float in (0, 1], default 0.01 -- fraction of entries kept"
+  assert args["ratio"].describe() == (
+      "ratio: float in (0, 1], default 0.01 -- fraction of entries kept")
   assert registry.lookup("method", "fp32").name == "allreduce"
   assert registry.lookup("compressor", "fp32").name == "identity"
 

@@ -16,7 +16,8 @@ class ErrorFeedbackState(NamedTuple):
   memory: Any
 
 
-@register_compressor("ef", Arg("compressor", COMPRESSOR, doc="the compressor to wrap"), prefix="ef_")
+@register_compressor("ef", Arg("compressor", COMPRESSOR, doc="the compressor to wrap"),
+                     prefix="ef_")
 def error_feedback(compressor: Compressor) -> Compressor:
   """Wrap a (biased) compressor with a residual memory.
 

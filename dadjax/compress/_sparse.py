@@ -87,7 +87,8 @@ def _shared_indices(key, size: int, k: int) -> jax.Array:
   return jax.lax.top_k(keys, k)[1].astype(jnp.int32)
 
 
-@register_compressor("randomk", Arg("ratio", float, within="(0, 1]", doc="fraction of entries kept"))
+@register_compressor("randomk",
+                     Arg("ratio", float, within="(0, 1]", doc="fraction of entries kept"))
 def randomk(ratio: float = 0.01) -> Compressor:
   """Keep ``k = round(ratio * d)`` uniformly random entries, scaled by ``d / k``.
 
