@@ -530,17 +530,20 @@ def valid_forms(kind: str = "method") -> list[str]:
 class SpecError(ValueError):
   """A spec that does not parse, names no registered method, or has bad arguments.
 
-  The message says what is wrong and lists every valid form of the kind.
+  The message says what is wrong and lists every valid form of the kind
+  (``listed``: of the nested argument's kind when that argument is wrong).
   """
 
-  def __init__(self, spec: str, why: str, kind: str = "method"):
-    self.spec, self.why, self.kind = spec, why, kind
+  def __init__(self, spec: str, why: str, kind: str = "method", unknown: bool = False,
+               listed: str | None = None):
+    self.spec, self.why, self.kind, self.listed = spec, why, kind, listed or kind
     try:
-      forms = valid_forms(kind)
+      forms = valid_forms(self.listed)
     except Exception:  # pylint: disable=broad-except
       forms = []
     listing = ", ".join(forms)
-    super().__init__(f"bad {kind} spec {spec!r}: {why}; valid forms: {listing}. Arguments go "
+    head = f"unknown {kind} {spec!r}" if unknown else f"bad {kind} spec {spec!r}"
+    super().__init__(f"{head}: {why}; valid forms: {listing}. Arguments go "
                      "as NAME:A:B:KEY=V or NAME(A, B, KEY=V); `dadjax methods` lists their types, "
                      "ranges and defaults")
 
@@ -569,11 +572,11 @@ def _find(kind: str, tree: Spec, text: str) -> tuple[Entry, Spec]:
         raise SpecError(text, why, kind)
       inner = Spec(rest, tree.args, tree.kwargs) if (tree.args or tree.kwargs) else rest
       return candidate, Spec(candidate.name, (inner,))
-  raise SpecError(text, f"unknown {kind} {tree.name!r}", kind)
+  raise SpecError(text, f"no {kind} named {tree.name!r}", kind, unknown=True)
 
 
-def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict) -> Any:
-  kind = entry.kind
+def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict,
+             kind: str) -> Any:
 
   def bad(expected: str) -> SpecError:
     shown = format_spec(value)
@@ -585,7 +588,7 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
     try:
       return _build(sub, tree, format_spec(tree), context if sub == "method" else {})
     except SpecError as e:  # name the outer spec and the argument; list the nested kind's forms
-      raise SpecError(text, f"{entry.name}: {arg.name}: {e.why}", e.kind) from None
+      raise SpecError(text, f"{entry.name}: {arg.name}: {e.why}", kind, listed=e.listed) from None
   if isinstance(value, Spec):
     raise bad(f"a {arg.type_name}, not a spec")
   if value == "none" and arg.default is None:
@@ -617,7 +620,7 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
   return out
 
 
-def _bind(entry: Entry, tree: Spec, text: str, context: dict) -> dict[str, Any]:
+def _bind(entry: Entry, tree: Spec, text: str, context: dict, kind: str) -> dict[str, Any]:
   by_name = {a.name: a for a in entry.args}
   flags = [a.name for a in entry.args if a.is_flag]
   slots = [a for a in entry.args if a.positional and not a.is_flag]
@@ -625,7 +628,7 @@ def _bind(entry: Entry, tree: Spec, text: str, context: dict) -> dict[str, Any]:
   for value in tree.args:
     if isinstance(value, str) and value in flags:
       if value in raw:
-        raise SpecError(text, f"{entry.name}: flag {value!r} given twice", entry.kind)
+        raise SpecError(text, f"{entry.name}: flag {value!r} given twice", kind)
       raw[value] = "true"
       continue
     slots = [a for a in slots if a.name not in raw]
@@ -634,23 +637,23 @@ def _bind(entry: Entry, tree: Spec, text: str, context: dict) -> dict[str, Any]:
       why = (f"{entry.name}: unexpected argument {format_spec(value)!r}; it takes "
              f"{len([a for a in entry.args if a.positional and not a.is_flag])} positional "
              f"argument(s){hint}")
-      raise SpecError(text, why, entry.kind)
+      raise SpecError(text, why, kind)
     raw[slots[0].name] = value
     slots = slots[1:]
   for key, value in tree.kwargs:
     if key not in by_name:
       valid = ", ".join(by_name) or "none"
       raise SpecError(text, f"{entry.name}: unknown argument {key!r} (arguments: {valid})",
-                      entry.kind)
+                      kind)
     if key in raw:
-      raise SpecError(text, f"{entry.name}: argument {key!r} given twice", entry.kind)
+      raise SpecError(text, f"{entry.name}: argument {key!r} given twice", kind)
     raw[key] = value
   values = {}
   for a in entry.args:
     if a.name in raw:
-      values[a.name] = _convert(a, raw[a.name], entry, text, context)
+      values[a.name] = _convert(a, raw[a.name], entry, text, context, kind)
     elif a.required:
-      raise SpecError(text, f"{entry.name}: missing required argument {a.name!r}", entry.kind)
+      raise SpecError(text, f"{entry.name}: missing required argument {a.name!r}", kind)
   return values
 
 
@@ -666,7 +669,7 @@ def resolve(kind: str, spec: str | Spec) -> tuple[Entry, dict[str, Any]]:
   text = spec.strip() if isinstance(spec, str) else format_spec(spec)
   tree = parse_spec(spec, kind) if isinstance(spec, str) else spec
   entry, tree = _find_any(kind, tree, text)
-  return entry, _bind(entry, tree, text, {})
+  return entry, _bind(entry, tree, text, {}, kind)
 
 
 def _find_any(kind: str, tree: Spec, text: str) -> tuple[Entry, Spec]:
@@ -678,12 +681,12 @@ def _find_any(kind: str, tree: Spec, text: str) -> tuple[Entry, Spec]:
   try:
     return _find("compressor", tree, text)
   except SpecError:
-    raise SpecError(text, f"unknown method {tree.name!r}", kind) from None
+    raise SpecError(text, f"no method named {tree.name!r}", kind, unknown=True) from None
 
 
 def _build(kind: str, tree: Spec, text: str, context: dict) -> Any:
   entry, tree = _find_any(kind, tree, text)
-  values = _bind(entry, tree, text, context)
+  values = _bind(entry, tree, text, context, kind)
   try:
     if entry.kind == "compressor":
       out = entry.fn(**values)
