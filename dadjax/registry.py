@@ -582,6 +582,8 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
     shown = format_spec(value)
     return SpecError(text, f"{entry.name}: {arg.name} must be {expected}, got {shown!r}", kind)
 
+  if value == "none" and arg.default is None:
+    return None
   if arg.type in (COMPRESSOR, METHOD):
     tree = value if isinstance(value, Spec) else Spec(value)
     sub = "compressor" if arg.type is COMPRESSOR else "method"
@@ -591,8 +593,6 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
       raise SpecError(text, f"{entry.name}: {arg.name}: {e.why}", kind, listed=e.listed) from None
   if isinstance(value, Spec):
     raise bad(f"a {arg.type_name}, not a spec")
-  if value == "none" and arg.default is None:
-    return None
   if arg.type is bool:
     if value in _TRUE:
       return True

@@ -8,7 +8,6 @@ import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
@@ -318,8 +317,10 @@ def test_data_side_method_both_spellings(scratch):
   a = build_method("data_q:2:correct=ef_scaled_sign:gate=0.5", axis_name=None)
   b = build_method("data_q(2, correct=topk:0.1, gate=0.5)", axis_name=None)
   c = build_method("data_q:4", axis_name=None)
+  build_method("data_q(4, correct=none)", axis_name=None)
+  assert calls[-1] == (4, None, 1.0)
   assert a.tx is None and a.batch_stage is not None and b.batch_stage is not None
-  assert [(n, g) for n, _, g in calls] == [(2, 0.5), (2, 0.5), (4, 1.0)]
+  assert [(n, g) for n, _, g in calls] == [(2, 0.5), (2, 0.5), (4, 1.0), (4, 1.0)]
   assert isinstance(calls[0][1].init(_TREE), compress.ErrorFeedbackState)
   assert calls[1][1].communication == "gather" and calls[2][1] is None
   assert c.name == "data_q:4"
