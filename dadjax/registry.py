@@ -702,9 +702,7 @@ def _build(kind: str, tree: Spec, text: str, context: dict) -> Any:
     if not _LIFT:
       raise RuntimeError("no compressor -> method lift registered (dadjax.methods not loaded)")
     out = _LIFT[0](out, **context)
-  if not isinstance(out, Method):
-    out = Method(text, tx=out)
-  return out
+  return out._replace(name=text) if isinstance(out, Method) else Method(text, tx=out)
 
 
 def build(kind: str, spec: str | Spec, **context: Any) -> Any:
@@ -728,8 +726,7 @@ def build(kind: str, spec: str | Spec, **context: Any) -> Any:
     raise SpecError(repr(spec), "not a string", kind)
   text = spec.strip() if isinstance(spec, str) else format_spec(spec)
   tree = parse_spec(spec, kind) if isinstance(spec, str) else spec
-  out = _build(kind, tree, text, context)
-  return out._replace(name=text) if isinstance(out, Method) else out
+  return _build(kind, tree, text, context)
 
 
 def get_compressor(spec: str | Spec) -> Any:

@@ -328,6 +328,20 @@ def test_data_side_method_both_spellings(scratch):
     build_method("data_q:9")
 
 
+def test_method_arguments_get_the_build_context(scratch):
+  @scratch("method", "wrapped", Arg("inner", registry.METHOD))
+  def wrapped(inner, *, axis_name="data", seed=0):
+    """Test method that wraps another."""
+    assert isinstance(inner, Method)
+    return Method("", tx=inner.tx, dense=inner.dense)
+
+  method = build_method("wrapped(rank_dad:2:warm)", axis_name=None, seed=7)
+  assert method.name == "wrapped(rank_dad:2:warm)"
+  assert method.dense.options["seed"] == 7 and method.dense.options["axis_name"] is None
+  assert method.dense.options["warm_start"] is True
+  assert build_method("wrapped(topk:0.5)", axis_name=None).dense is None
+
+
 def test_register_rejects_bad_entries(scratch):
   with pytest.raises(ValueError, match="already registered"):
     registry.register_compressor("topk")(lambda: None)
