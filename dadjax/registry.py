@@ -7,6 +7,17 @@ documents it::
     @register_compressor("topk", Arg("ratio", float, within="(0, 1]", doc="fraction kept"))
     def topk(ratio: float = 0.01) -> Compressor: ...
 
+A method builder also takes the build context (``axis_name``, ``seed``) as
+keywords and returns a :class:`Method` (or an optax transformation, which
+becomes ``Method(tx=...)``); arguments typed :data:`COMPRESSOR` arrive
+built::
+
+    @register_method("accordion", Arg("low", COMPRESSOR), Arg("high", COMPRESSOR),
+                     Arg("eta", float, within="(0, inf)", doc="critical threshold"))
+    def _accordion(low, high, eta=0.5, *, axis_name="data", seed=0):
+      """Accordion: compress with ``low`` in critical regimes, ``high`` otherwise."""
+      return accordion(low, high, eta=eta, axis_name=axis_name, seed=seed)
+
 Two kinds live here. A *compressor* spec builds a
 :class:`~dadjax.compress.Compressor`; a *method* spec builds a
 :class:`Method` (what the train step needs). Every compressor spec is
