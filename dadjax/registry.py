@@ -13,9 +13,9 @@ becomes ``Method(tx=...)``); arguments typed :data:`COMPRESSOR` arrive
 built::
 
     @register_method("accordion", Arg("low", COMPRESSOR), Arg("high", COMPRESSOR),
-                     Arg("eta", float, within="(0, inf)", doc="critical threshold"))
+                     Arg("eta", float, within="(0, inf)", doc="critical threshold"),
+                     doc="Accordion: low in critical regimes, high otherwise")
     def _accordion(low, high, eta=0.5, *, axis_name="data", seed=0):
-      """Accordion: compress with ``low`` in critical regimes, ``high`` otherwise."""
       return accordion(low, high, eta=eta, axis_name=axis_name, seed=seed)
 
 Two kinds live here. A *compressor* spec builds a
@@ -425,7 +425,7 @@ def register(
     kind: ``"compressor"`` or ``"method"``.
     name: the spec name (lower case, ``[a-z][a-z0-9_]*``).
     *args: its :class:`Arg` s, in positional order.
-    doc: one line; default: the first line of the builder's docstring.
+    doc: one line (required); default: the first line of the builder's docstring.
     family: the registering package; default: from the builder's module.
     aliases: other names for the same entry.
     prefix: ``prefix + X`` means ``name(X)``, for one-argument wrappers.
@@ -434,8 +434,8 @@ def register(
     The decorator.
 
   Raises:
-    ValueError: for a bad name, a duplicate, or an argument the builder
-      does not take.
+    ValueError: for a bad name, a duplicate, a missing doc, or an argument
+      the builder does not take.
   """
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -459,6 +459,8 @@ def register(
         a = a._replace(default=p.default if p is not None else _REQUIRED)
       resolved.append(a)
     text = doc if doc is not None else (inspect.getdoc(fn) or "").split("\n")[0]
+    if not text.strip():
+      raise ValueError(f"{name}: give a one-line doc (doc=... or a docstring)")
     module = fn.__module__ or ""
     fam = family or (module.split(".")[1] if module.startswith("dadjax.") else module)
     entry = Entry(kind, name, tuple(resolved), fn, text, fam, tuple(aliases), prefix)

@@ -348,9 +348,12 @@ def test_register_rejects_bad_entries(scratch):
   with pytest.raises(ValueError, match="name must match"):
     registry.register_compressor("Top-K")(lambda: None)
   with pytest.raises(ValueError, match="no parameter 'ratio'"):
-    registry.register_compressor("odd", Arg("ratio", float))(lambda: None)
+    registry.register_compressor("odd", Arg("ratio", float), doc="odd")(lambda: None)
+  with pytest.raises(ValueError, match="one-line doc"):
+    registry.register_compressor("odd")(lambda: None)
   with pytest.raises(ValueError, match="within must look like"):
-    registry.register_compressor("odd2", Arg("r", float, within="0..1"))(lambda r=0.5: None)
+    registry.register_compressor("odd2", Arg("r", float, within="0..1"), doc="odd")(
+        lambda r=0.5: None)
 
 
 # -- `dadjax methods` and lazy loading ------------------------------------------------------
