@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     print(json.dumps(run.final))
     return 0
   from dadjax.demo import DEFAULT_METHODS, run_demo  # pylint: disable=g-import-not-at-top
-  methods = args.methods.split(",") if args.methods else tuple(DEFAULT_METHODS)
+  from dadjax.registry import split_specs  # pylint: disable=g-import-not-at-top
+  methods = split_specs(args.methods) if args.methods else tuple(DEFAULT_METHODS)
   run_demo(methods, steps=args.steps, out_dir=args.out, progress=not args.no_progress)
   return 0
 

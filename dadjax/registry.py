@@ -75,6 +75,7 @@ __all__ = [
     "register_compressor",
     "register_method",
     "resolve",
+    "split_specs",
     "valid_forms",
 ]
 
@@ -248,6 +249,22 @@ def parse_spec(text: str, kind: str = "method") -> Spec:
     return _parse(text)
   except _ParseError as e:
     raise SpecError(text, f"malformed: {e}", kind) from None
+
+
+def split_specs(text: str) -> list[str]:
+  """Split a comma-separated list of specs at the commas outside parentheses.
+
+  ``"topk:0.01, accordion(powersgd:2,powersgd:1)"`` ->
+  ``["topk:0.01", "accordion(powersgd:2,powersgd:1)"]``.
+  """
+  parts, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if ch == "," and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  parts.append(text[start:])
+  return [p.strip() for p in parts if p.strip()]
 
 
 def _format_value(value: Spec | str, inside_parens: bool) -> str:

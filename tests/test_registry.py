@@ -62,6 +62,12 @@ def test_canonical_text(text, canonical):
   assert str(parse_spec(text)) == canonical
 
 
+def test_split_specs_keeps_nested_commas():
+  text = " topk:0.01, accordion(powersgd:2,powersgd:1),dataquant(2, correct=topk:0.1) ,"
+  assert registry.split_specs(text) == [
+      "topk:0.01", "accordion(powersgd:2,powersgd:1)", "dataquant(2, correct=topk:0.1)"]
+
+
 _names = st.sampled_from(["a", "topk", "ef", "rank_dad", "x1", "two_way"])
 _atoms = st.one_of(_names, st.sampled_from(["0", "0.01", "-2.5", "1e-3", "inf", "none", "16"]))
 
