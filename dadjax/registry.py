@@ -297,6 +297,7 @@ def format_spec(spec: Spec | str, _nested: bool = False) -> str:
 COMPRESSOR = "compressor"  # an argument that is a nested compressor spec
 METHOD = "method"  # an argument that is a nested method spec (built with the same axis and seed)
 
+_TYPES = (int, float, bool, str, COMPRESSOR, METHOD)
 _FROM_SIGNATURE = object()
 _REQUIRED = inspect.Parameter.empty
 _INTERVAL = re.compile(r"([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])\Z")
@@ -469,8 +470,15 @@ def register(
     for a in args:
       if a.name not in params and not takes_kwargs:
         raise ValueError(f"{name}: the builder has no parameter {a.name!r}")
+      if a.type not in _TYPES:
+        raise ValueError(f"{name}: {a.name}: type must be one of int, float, bool, str, "
+                         f"COMPRESSOR, METHOD, got {a.type!r}")
       if a.within is not None:
+        if a.type not in (int, float):
+          raise ValueError(f"{name}: {a.name}: within applies to int and float arguments")
         _parse_interval(a.within)
+      if a.choices is not None and a.type is not str:
+        raise ValueError(f"{name}: {a.name}: choices apply to str arguments")
       if a.default is _FROM_SIGNATURE:
         p = params.get(a.name)
         a = a._replace(default=p.default if p is not None else _REQUIRED)
@@ -616,7 +624,7 @@ def _convert(arg: Arg, value: Spec | str, entry: Entry, text: str, context: dict
     return None
   if arg.type in (COMPRESSOR, METHOD):
     tree = value if isinstance(value, Spec) else Spec(value)
-    sub = "compressor" if arg.type is COMPRESSOR else "method"
+    sub = "compressor" if arg.type == COMPRESSOR else "method"
     try:
       return _build(sub, tree, format_spec(tree), context if sub == "method" else {})
     except SpecError as e:  # name the outer spec and the argument; list the nested kind's forms

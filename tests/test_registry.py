@@ -355,6 +355,10 @@ def test_register_rejects_bad_entries(scratch):
     registry.register_compressor("Top-K")(lambda: None)
   with pytest.raises(ValueError, match="no parameter 'ratio'"):
     registry.register_compressor("odd", Arg("ratio", float), doc="odd")(lambda: None)
+  with pytest.raises(ValueError, match="type must be one of"):
+    registry.register_compressor("odd", Arg("r", list), doc="odd")(lambda r=(): None)
+  with pytest.raises(ValueError, match="within applies to int and float"):
+    registry.register_compressor("odd", Arg("r", str, within="[0, 1]"), doc="odd")(lambda r="": 0)
   with pytest.raises(ValueError, match="one-line doc"):
     registry.register_compressor("odd")(lambda: None)
   with pytest.raises(ValueError, match="within must look like"):
