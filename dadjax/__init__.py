@@ -1,13 +1,53 @@
 """dadjax: communication-efficient distributed training in JAX.
 
-Gradient compression as optax transformations, distributed
-auto-differentiation (dAD / rank-dAD), data quantization and Accordion,
-behind one SPMD train step and one bit ledger.
+Gradient compressors as optax transformations that perform their own
+collectives, distributed auto-differentiation (dAD / rank-dAD dense
+layers), one registry of methods by spec string (``dadjax methods``), one
+SPMD train step (``shard_map``, ``pmap`` or ``vmap``-simulated sites) and
+one bit ledger with a network cost model. :mod:`dadjax.extend` holds the
+building blocks for writing new methods.
 """
 
-from dadjax import comm, compress, dad, parallel
-from dadjax.compress import compressed, get_compressor
-from dadjax.comm import CommStats, CommSummary, NetworkModel, allreduce, comm_stats
-from dadjax.parallel import TrainState, initialize, make_mesh, make_train_step
+from dadjax import comm, compress, dad, data, extend, models, parallel, registry
+from dadjax.comm import AllReduceState, CommStats, CommSummary, NetworkModel, allreduce, comm_stats
+from dadjax.compress import (
+    CompressedState,
+    Compressor,
+    ErrorFeedbackState,
+    PowerSGDState,
+    cast,
+    compressed,
+    error_feedback,
+    get_compressor,
+    identity,
+    powersgd,
+    qsgd,
+    randomk,
+    scaled_sign,
+    sign,
+    terngrad,
+    topk,
+)
+from dadjax.methods import build_method
+from dadjax.parallel import TrainState, TrainStep, initialize, make_mesh, make_train_step
+from dadjax.registry import Method, SpecError
+from dadjax.stage import BatchStage
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # subpackages
+    "comm", "compress", "dad", "data", "extend", "models", "parallel", "registry",
+    # protocols
+    "Compressor", "Method", "BatchStage",
+    # methods by name
+    "build_method", "get_compressor", "SpecError",
+    # factories and their states
+    "allreduce", "AllReduceState", "compressed", "CompressedState", "identity", "cast", "topk",
+    "randomk", "qsgd", "terngrad", "sign", "scaled_sign", "powersgd", "PowerSGDState",
+    "error_feedback", "ErrorFeedbackState",
+    # the ledger and the network model
+    "comm_stats", "CommStats", "CommSummary", "NetworkModel",
+    # the train step
+    "make_train_step", "TrainStep", "TrainState", "make_mesh", "initialize",
+]

@@ -28,7 +28,12 @@ def main(argv=None) -> int:
   p_demo.add_argument("--methods", help="comma-separated method specs (default: all)")
   p_demo.add_argument("--out", default="demo_out")
   p_demo.add_argument("--no-progress", action="store_true")
+  sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
   args = parser.parse_args(argv)
+  if args.command == "methods":
+    from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
+    print(describe())
+    return 0
 
   _simulate_devices(8)
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
@@ -44,7 +49,8 @@ def main(argv=None) -> int:
     print(json.dumps(run.final))
     return 0
   from dadjax.demo import DEFAULT_METHODS, run_demo  # pylint: disable=g-import-not-at-top
-  methods = args.methods.split(",") if args.methods else tuple(DEFAULT_METHODS)
+  from dadjax.registry import split_specs  # pylint: disable=g-import-not-at-top
+  methods = split_specs(args.methods) if args.methods else tuple(DEFAULT_METHODS)
   run_demo(methods, steps=args.steps, out_dir=args.out, progress=not args.no_progress)
   return 0
 

@@ -1,51 +1,54 @@
 """Communication methods by name: one spec string -> what the step needs.
 
-A method is the communicating optax transformation (placed first in the
-optimizer chain) plus, for methods that communicate inside the backward
-pass (dAD), the dense-layer factory the model must be built with. Switching
-method in an experiment is a config change: ``method="topk:0.01"``.
+A method (:class:`~dadjax.registry.Method`) is any of: the communicating
+optax transformation (placed first in the optimizer chain), the dense-layer
+factory the model must be built with (dAD), and a batch stage (data-side
+methods). Switching method in an experiment is a config change:
+``method="topk:0.01"``. The specs themselves live in
+:mod:`dadjax.registry`; this module registers the baselines and makes every
+compressor a method (its :func:`~dadjax.compress.compressed` all-reduce).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
-import optax
-
-from dadjax import compress, dad
+from dadjax import registry
 from dadjax.comm import allreduce
+from dadjax.compress import Compressor, compressed
+from dadjax.registry import Method, register_method
+
+__all__ = ["Method", "build_method"]
 
 
-class Method(NamedTuple):
-  """``tx``: communicating transformation; ``dense``: model dense factory or None."""
+@register_method("allreduce", aliases=("fp32",), family="baseline")
+def _allreduce(*, axis_name: str | None = "data", seed: int = 0) -> Method:
+  """fp32 mean of the gradients (psum): the baseline every method is measured against."""
+  del seed
+  return Method("", tx=allreduce(axis_name))
 
-  name: str
-  tx: optax.GradientTransformation
-  dense: Callable[..., Any] | None = None
+
+@registry.lift_compressors
+def _compressed(compressor: Compressor, *, axis_name: str | None = "data",
+                seed: int = 0) -> Method:
+  return Method("", tx=compressed(compressor, axis_name=axis_name, seed=seed))
 
 
 def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Method:
   """Build a method from its spec.
 
   Args:
-    spec: ``"allreduce"`` (fp32 psum); a compressor spec understood by
-      ``dadjax.compress.get_compressor`` (``"topk:0.01"``, ``"powersgd:4"``,
-      ``"qsgd:16"``, ``"sign"``, ...); or a dAD spec understood by
-      ``dadjax.dad.get_method`` (``"dad"``, ``"rank_dad:2"``, ``"auto_dad"``).
+    spec: ``"allreduce"`` / ``"fp32"`` (fp32 psum); any compressor spec
+      (``"topk:0.01"``, ``"ef(topk:0.01)"``, ``"powersgd:4"``, ...: the
+      compressor inside :func:`~dadjax.compress.compressed`); a dAD spec
+      (``"dad"``, ``"rank_dad:2:two_way"``, ``"auto_dad"``); or any other
+      registered method (``dadjax methods`` lists them all).
     axis_name: mesh axis of the sites (``None``: one site).
     seed: seeds the method's shared randomness.
 
   Returns:
-    A :class:`Method`.
+    A :class:`~dadjax.registry.Method` named ``spec``.
+
+  Raises:
+    SpecError: (a ``ValueError``) for a malformed spec, an unknown name or a
+      bad argument, listing every valid form.
   """
-  if spec in ("allreduce", "fp32"):
-    return Method(spec, allreduce(axis_name))
-  if dad.is_method(spec):
-    tx, dense = dad.get_method(spec, axis_name=axis_name, seed=seed)
-    return Method(spec, tx, dense)
-  try:
-    compressor = compress.get_compressor(spec)
-  except ValueError as e:
-    raise ValueError(f"unknown method {spec!r}: not 'allreduce', not a dAD spec "
-                     f"({', '.join(dad.VALID_SPECS)}), and {e}") from e
-  return Method(spec, compress.compressed(compressor, axis_name=axis_name, seed=seed))
+  return registry.build("method", spec, axis_name=axis_name, seed=seed)

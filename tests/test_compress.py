@@ -552,7 +552,7 @@ def test_bad_parameters_raise(make, match):
 
 @pytest.mark.parametrize("spec", ["nope", "topk:abc", "sign:3", "ef_", "powersgd:2.5"])
 def test_unknown_spec_lists_valid_forms(spec):
-  with pytest.raises(ValueError, match="valid forms: identity.*topk:RATIO.*powersgd:RANK.*ef_"):
+  with pytest.raises(ValueError, match=r"valid forms: .*identity.*ef_.*powersgd\[:RANK\].*topk\[:RATIO\]"):
     C.get_compressor(spec)
 
 

@@ -1,4 +1,10 @@
-"""Collectives over named axes, the bit ledger and the network cost model."""
+"""The bit ledger, the fp32 all-reduce baseline and the network cost model.
+
+Bit arithmetic (``Bits``), the metered collectives, the per-site
+collectives and the ledger's recording helpers are for writing new
+methods: their documented home is :mod:`dadjax.extend`, and they stay
+importable from here.
+"""
 
 from dadjax.comm._bits import (
     Bits,
@@ -40,3 +46,13 @@ from dadjax.comm._ledger import (
     ledger_record,
     tree_dense_bits,
 )
+
+__all__ = [
+    "comm_stats",
+    "CommStats",
+    "CommSummary",
+    "NetworkModel",
+    "allreduce",
+    "AllReduceState",
+    "FP32_BITS",
+]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dadjax.compress._base import Compressor, leafwise
+from dadjax.registry import Arg, register_compressor
 
 _DTYPES = {
     "fp32": jnp.float32, "float32": jnp.float32,
@@ -29,6 +30,7 @@ def _wire_dtype(dtype):
                    f"dtype), got {dtype!r}")
 
 
+@register_compressor("cast", Arg("dtype", str, choices=("bf16", "fp16", "fp32"), doc="wire type"))
 def cast(dtype="bf16") -> Compressor:
   """Send every gradient in a narrower float type, all-reduced in that type.
 
@@ -63,6 +65,7 @@ def cast(dtype="bf16") -> Compressor:
   return leafwise(compress_leaf, decompress_leaf, "reduce")
 
 
+@register_compressor("identity", aliases=("fp32",))
 def identity() -> Compressor:
   """No compression: the fp32 gradient, all-reduced (the dense baseline).
 
@@ -74,3 +77,9 @@ def identity() -> Compressor:
     Parallel Training", VLDB 2020 (https://arxiv.org/abs/2006.15704).
   """
   return cast("fp32")
+
+
+register_compressor("bf16", doc="cast(\"bf16\"): bfloat16 on the wire, 16 bits per entry")(
+    lambda: cast("bf16"))
+register_compressor("fp16", doc="cast(\"fp16\"): float16 on the wire, 16 bits per entry")(
+    lambda: cast("fp16"))

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 from dadjax._tree_utils import tree_add, tree_sub, tree_zeros_like
 from dadjax.compress._base import Compressor, Exchanged, as_keys, exchange
+from dadjax.registry import COMPRESSOR, Arg, register_compressor
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -15,6 +16,8 @@ class ErrorFeedbackState(NamedTuple):
   memory: Any
 
 
+@register_compressor("ef", Arg("compressor", COMPRESSOR, doc="the compressor to wrap"),
+                     prefix="ef_")
 def error_feedback(compressor: Compressor) -> Compressor:
   """Wrap a (biased) compressor with a residual memory.
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from dadjax._tree_utils import tree_nbits
 from dadjax.comm import axis_size, sum_over_sites
 from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
+from dadjax.registry import Arg, register_compressor
 
 # A column whose norm falls below this fraction of its norm before
 # orthogonalization is numerically dependent on the previous ones (or zero)
@@ -101,6 +102,15 @@ def orthogonalize(p: jax.Array) -> jax.Array:
   return jnp.stack(cols, axis=-1)
 
 
+@register_compressor(
+    "powersgd",
+    Arg("rank", int, within="[1, inf)", doc="rank r"),
+    Arg("iters", int, within="[1, inf)", doc="power iterations per step"),
+    Arg("warm_start", bool, doc="reuse the last Q"),
+    Arg("error_feedback", bool, doc="keep the residual memory"),
+    Arg("min_compression_rate", float, within="[0, inf)", positional=False,
+        doc="compress a matrix only if rate * r (m + n) < m n"),
+)
 def powersgd(
     rank: int = 2,
     iters: int = 1,

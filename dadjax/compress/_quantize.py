@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dadjax.compress._base import Compressor, check_int, leafwise
 from dadjax.compress._packing import code_bits, pack_bits, unpack_bits
+from dadjax.registry import Arg, register_compressor
 
 
 class QuantizedPayload(NamedTuple):
@@ -32,6 +33,8 @@ def _signed(magnitude, negative):
   return jnp.where(negative, -magnitude, magnitude)
 
 
+@register_compressor("qsgd", Arg("levels", int, within="[1, inf)", doc="non-zero levels s"),
+                     Arg("bucket_size", int, within="[1, inf)", doc="entries per norm"))
 def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
   """QSGD: stochastic rounding of ``|g_i| / ||g||_2`` onto ``levels`` levels.
 
@@ -93,6 +96,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
   return leafwise(compress_leaf, decompress_leaf, "gather")
 
 
+@register_compressor("terngrad", Arg("clip", float, within="(0, inf)", doc="clip at clip * std"))
 def terngrad(clip: float | None = 2.5) -> Compressor:
   """TernGrad: ``max|g| * sign(g_i) * Bernoulli(|g_i| / max|g|)`` per tensor.
 
@@ -143,6 +147,7 @@ def _sign_codes(x):
   return (x.reshape(-1) < 0).astype(jnp.uint32)
 
 
+@register_compressor("sign")
 def sign() -> Compressor:
   """signSGD with majority vote: send 1-bit signs, apply the sign of their sum.
 
@@ -181,6 +186,7 @@ def sign() -> Compressor:
   return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf)
 
 
+@register_compressor("scaled_sign")
 def scaled_sign() -> Compressor:
   """Scaled sign: ``(||g||_1 / d) * sign(g)`` per tensor (EF-signSGD's compressor).
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax.compress._base import Compressor, check_ratio, leafwise, num_kept
+from dadjax.registry import Arg, register_compressor
 
 
 class SparsePayload(NamedTuple):
@@ -23,6 +24,7 @@ def _scatter(values, indices, like):
   return flat.reshape(like.shape).astype(like.dtype)
 
 
+@register_compressor("topk", Arg("ratio", float, within="(0, 1]", doc="fraction of entries kept"))
 def topk(ratio: float = 0.01) -> Compressor:
   """Keep the ``k = round(ratio * d)`` largest-magnitude entries of each tensor.
 
@@ -85,6 +87,8 @@ def _shared_indices(key, size: int, k: int) -> jax.Array:
   return jax.lax.top_k(keys, k)[1].astype(jnp.int32)
 
 
+@register_compressor("randomk",
+                     Arg("ratio", float, within="(0, 1]", doc="fraction of entries kept"))
 def randomk(ratio: float = 0.01) -> Compressor:
   """Keep ``k = round(ratio * d)`` uniformly random entries, scaled by ``d / k``.
 

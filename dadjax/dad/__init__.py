@@ -4,7 +4,11 @@ A dense layer's weight gradient is ``A^T D`` (inputs times output deltas);
 sites share ``A`` and ``D`` (dAD, exact) or low-rank factors of their local
 ``A^T D`` (rank-dAD) inside the backward pass instead of all-reducing the
 gradient. :class:`Dense` is a drop-in for ``flax.linen.Dense``;
-:func:`synchronize` handles every other parameter and the bit ledger.
+:func:`synchronize` handles every other parameter and the bit ledger. The
+specs ``dad``, ``auto_dad``, ``local_dad`` and ``rank_dad:R[:two_way][:warm][:ef]``
+are registered methods (:func:`get_method`, ``dadjax methods``). The
+structured power iteration (:func:`~dadjax.extend.factorize`) is in
+:mod:`dadjax.extend`.
 
 References:
   Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
@@ -22,7 +26,7 @@ from dadjax.dad._dense import (
     layer_bits,
     layer_route,
 )
-from dadjax.dad._spec import VALID_SPECS, DenseFactory, get_method, is_method
+from dadjax.dad._methods import DenseFactory, get_method, is_method
 from dadjax.dad._power import Factors, factorize, product_route
 from dadjax.dad._sync import (
     LayerPlan,
@@ -34,3 +38,25 @@ from dadjax.dad._sync import (
     model_ledger,
     synchronize,
 )
+
+# factorize, Factors, product_route, current_state, layer_bits and
+# layer_route stay importable from here; their documented home is dadjax.extend.
+__all__ = [
+    "Dense",
+    "DadConfig",
+    "MODES",
+    "AGGREGATIONS",
+    "dense",
+    "init_state",
+    "DenseFactory",
+    "get_method",
+    "is_method",
+    "synchronize",
+    "SynchronizeState",
+    "layer_mask",
+    "layer_plan",
+    "LayerPlan",
+    "effective_ranks",
+    "model_ledger",
+    "ModelLedgerState",
+]

@@ -14,3 +14,19 @@ from dadjax.parallel._step import (
     stack_sites,
     unstack_site,
 )
+
+__all__ = [
+    "make_train_step",
+    "TrainStep",
+    "TrainState",
+    "BACKENDS",
+    "local_gradients",
+    "LocalGradients",
+    "softmax_cross_entropy",
+    "stack_sites",
+    "unstack_site",
+    "COMM_COLLECTION",
+    "STATE_COLLECTION",
+    "make_mesh",
+    "initialize",
+]

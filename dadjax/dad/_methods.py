@@ -1,0 +1,165 @@
+"""dAD methods by name ("dad", "rank_dad:2", "auto_dad"), registered in :mod:`dadjax.registry`.
+
+A method is a dense-layer factory for the model and the optimizer-side
+:func:`~dadjax.dad.synchronize` that goes with it. The synchronizer must know
+which parameters belong to dAD layers; here the factory records the path of
+every layer it builds (when the model is initialized, before the optimizer),
+so the pair works without the caller computing :func:`layer_mask`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from dadjax import registry
+from dadjax._tree_utils import path_names
+from dadjax.dad._dense import DadConfig, Dense
+from dadjax.dad._sync import synchronize
+from dadjax.registry import Arg, Method, register_method
+
+
+class DenseFactory:
+  """Builds :class:`~dadjax.dad.Dense` layers and remembers where it put them.
+
+  Pass it as a model's ``dense`` factory; each call
+  ``factory(features, use_bias=..., name=...)`` returns a ``Dense`` with the
+  factory's options (call keywords win), and the module path of every
+  synchronizing layer (not ``mode="local"``) built inside a model is added
+  to :attr:`paths`. :meth:`mask` turns those paths into the parameter mask
+  :func:`~dadjax.dad.synchronize` needs.
+
+  Args:
+    **options: :class:`~dadjax.dad.Dense` fields (``mode``, ``rank``, ...).
+  """
+
+  def __init__(self, **options: Any):
+    config_fields = {k: v for k, v in options.items() if k in DadConfig.__dataclass_fields__}
+    DadConfig(**config_fields)  # validate now, naming the bad argument
+    self.options = dict(options)
+    self.paths: set[tuple[str, ...]] = set()
+    self.built = 0  # layers built inside a model, including "local" ones
+
+  def __call__(self, features: int, **kwargs: Any) -> Dense:
+    layer = Dense(features, **{**self.options, **kwargs})
+    if layer.scope is not None:
+      self.built += 1
+      if layer.mode != "local":
+        self.paths.add(tuple(layer.scope.path))
+    return layer
+
+  def mask(self, params: Any) -> Any:
+    """``True`` for the parameters of the dAD layers this factory built.
+
+    Raises:
+      ValueError: if no layer was built yet (initialize the model first).
+    """
+    if not self.built:
+      raise ValueError("mask: this DenseFactory has not built any dAD layer yet; "
+                       "initialize the model (model.init) before the optimizer")
+    return jax.tree_util.tree_map_with_path(lambda p, _: path_names(p)[:-1] in self.paths, params)
+
+  def __repr__(self) -> str:
+    return f"DenseFactory({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+
+def _method(other, axis_name, seed, **options) -> Method:
+  dense = DenseFactory(axis_name=axis_name, seed=seed, **options)
+  return Method("", tx=synchronize(dense.mask, other, axis_name=axis_name), dense=dense)
+
+
+@register_method("dad")
+def _exact(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+  """Exact dAD: every dense layer all-gathers its inputs A and deltas D."""
+  return _method(other, axis_name, seed, mode="exact")
+
+
+@register_method("auto_dad")
+def _auto(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+  """Exact dAD, per layer the cheaper route: gather (A, D) or all-reduce A^T D."""
+  return _method(other, axis_name, seed, mode="auto")
+
+
+@register_method("local_dad")
+def _local(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+  """dAD layers that do not synchronize: every parameter goes to ``other`` (all-reduce)."""
+  return _method(other, axis_name, seed, mode="local")
+
+
+@register_method(
+    "rank_dad",
+    Arg("rank", int, within="[1, inf)", doc="components per site"),
+    Arg("two_way", bool, doc="two-way aggregation (global rank-r result) instead of one-way"),
+    Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
+    Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
+    Arg("iters", int, within="[1, inf)", positional=False, doc="power iterations per component"),
+    Arg("tol", float, within="[0, inf)", positional=False, doc="power-iteration tolerance"),
+)
+def _rank(
+    rank: int = DadConfig.rank,
+    two_way: bool = False,
+    warm: bool = False,
+    ef: bool = False,
+    iters: int = DadConfig.iters,
+    tol: float = DadConfig.tol,
+    *,
+    axis_name: str | None = "data",
+    seed: int = 0,
+    other=None,
+) -> Method:
+  """rank-dAD: sites share rank-r factors of their local A^T D (structured power iteration)."""
+  extra = {k: v for k, v in (("iters", iters), ("tol", tol)) if v != getattr(DadConfig, k)}
+  return _method(other, axis_name, seed, mode="rank", rank=rank,
+                 aggregation="two_way" if two_way else "one_way", warm_start=warm,
+                 error_feedback=ef, **extra)
+
+
+def is_method(spec: str) -> bool:
+  """Whether ``spec`` names a dAD method (``dad``, ``auto_dad``, ``rank_dad:R``, ...)."""
+  try:
+    entry = registry.lookup("method", registry.parse_spec(spec).name)
+  except ValueError:
+    return False
+  return entry is not None and entry.family == "dad"
+
+
+def get_method(
+    spec: str,
+    axis_name: str | None = "data",
+    seed: int = 0,
+    other: optax.GradientTransformation | None = None,
+) -> tuple[optax.GradientTransformationExtraArgs, DenseFactory]:
+  """The optimizer-side transformation and the model's dense factory for a dAD spec.
+
+  Specs: ``"dad"`` (exact), ``"auto_dad"`` (cheapest exact route per
+  layer), ``"local_dad"`` (no dAD: every parameter goes to ``other``),
+  ``"rank_dad:R"`` (rank-dAD, rank R, one-way) with optional flags
+  ``:two_way``, ``:warm`` (warm start), ``:ef`` (error feedback) and
+  keywords ``iters=``, ``tol=``, e.g. ``"rank_dad:4:two_way:ef"``.
+
+  Args:
+    spec: the method spec.
+    axis_name: the sites' axis.
+    seed: seed of the layers' shared random starts.
+    other: transformation for the non-dAD parameters (default
+      ``dadjax.allreduce(axis_name)``).
+
+  Returns:
+    ``(tx, dense)``: put ``tx`` first in the optimizer chain and build the
+    model with ``dense=dense``; initialize the model before ``tx``.
+
+  Raises:
+    SpecError: (a ``ValueError``) for an unknown spec or invalid options.
+  """
+  entry, kwargs = registry.resolve("method", spec)
+  if entry.family != "dad":
+    raise registry.SpecError(spec, f"unknown dAD method {entry.name!r} (not a dAD spec)")
+  try:
+    method = entry.fn(**kwargs, axis_name=axis_name, seed=seed, other=other)
+  except registry.SpecError:
+    raise
+  except ValueError as e:
+    raise registry.SpecError(spec, f"{entry.name}: {e}") from e
+  return method.tx, method.dense

@@ -1,0 +1,116 @@
+"""Building blocks for writing new methods (not needed to use the existing ones).
+
+- **Registering a method**: :func:`register_compressor` / :func:`register_method`
+  with typed :class:`Arg` s, where the method is defined; :data:`COMPRESSOR` /
+  :data:`METHOD` arguments take nested specs; :func:`parse_spec`,
+  :func:`format_spec`, :class:`Spec`, :func:`resolve`.
+- **Bit arithmetic** (exact 64-bit counts without x64): :class:`Bits`,
+  :func:`bits_const`, :func:`bits_add`, :func:`bits_sum`, :func:`bits_reduce`,
+  :func:`bits_from_count`, :func:`bits_zero`, :func:`bits_to_int`,
+  :func:`host_array`, :func:`tree_bits`.
+- **Metered collectives**: :func:`metered_psum`, :func:`metered_pmean`,
+  :func:`metered_all_gather` return ``(result, Traffic)``;
+  :class:`Traffic`, :data:`NO_TRAFFIC`, :func:`traffic_add`. Every new
+  collective goes through them, so the ledger counts what was sent.
+- **Sites**: :func:`axis_size`, :func:`site_index`, :func:`sum_over_sites`,
+  :func:`mean_over_sites`, :func:`gather_sites`.
+- **The ledger**: :func:`ledger_init`, :func:`ledger_record`,
+  :func:`tree_dense_bits`, :func:`find_comm_stats`, :data:`FP32_BITS`.
+- **Packing**: :func:`pack_bits`, :func:`unpack_bits`, :func:`packed_words`,
+  :func:`code_bits`.
+- **Keys**: :class:`Keys`, :func:`step_keys`, :func:`as_keys`.
+- **Exchange helpers** for compressors: :func:`leafwise`, :func:`exchange`,
+  :func:`one_round_exchange`, :class:`Exchanged`; payload types
+  :class:`SparsePayload`, :class:`QuantizedPayload`, :class:`PowerSGDPayload`;
+  :func:`orthogonalize`.
+- **Batch stages** (data-side methods): :class:`BatchStage`,
+  :class:`StageContext`, :class:`StageOutput`, :class:`GradResult`.
+- **dAD kernels**: :func:`factorize`, :class:`Factors`,
+  :func:`product_route`, :func:`layer_route`, :func:`layer_bits`,
+  :func:`current_state`.
+"""
+
+from dadjax.comm import (
+    FP32_BITS,
+    NO_TRAFFIC,
+    Bits,
+    Traffic,
+    axis_size,
+    bits_add,
+    bits_const,
+    bits_from_count,
+    bits_reduce,
+    bits_sum,
+    bits_to_int,
+    bits_zero,
+    find_comm_stats,
+    gather_sites,
+    host_array,
+    ledger_init,
+    ledger_record,
+    mean_over_sites,
+    metered_all_gather,
+    metered_pmean,
+    metered_psum,
+    site_index,
+    sum_over_sites,
+    traffic_add,
+    tree_bits,
+    tree_dense_bits,
+)
+from dadjax.compress import (
+    Exchanged,
+    Keys,
+    PowerSGDPayload,
+    QuantizedPayload,
+    SparsePayload,
+    as_keys,
+    code_bits,
+    exchange,
+    leafwise,
+    one_round_exchange,
+    orthogonalize,
+    pack_bits,
+    packed_words,
+    step_keys,
+    unpack_bits,
+)
+from dadjax.dad import Factors, current_state, factorize, layer_bits, layer_route, product_route
+from dadjax.registry import (
+    COMPRESSOR,
+    METHOD,
+    Arg,
+    Spec,
+    format_spec,
+    parse_spec,
+    register_compressor,
+    register_method,
+    resolve,
+)
+from dadjax.stage import BatchStage, GradResult, StageContext, StageOutput
+
+__all__ = [
+    # registering methods
+    "Arg", "COMPRESSOR", "METHOD", "Spec", "format_spec", "parse_spec", "register_compressor",
+    "register_method", "resolve",
+    # bit arithmetic
+    "Bits", "bits_add", "bits_const", "bits_from_count", "bits_reduce", "bits_sum", "bits_to_int",
+    "bits_zero", "host_array", "tree_bits",
+    # metered collectives
+    "Traffic", "NO_TRAFFIC", "metered_all_gather", "metered_pmean", "metered_psum", "traffic_add",
+    # sites
+    "axis_size", "gather_sites", "mean_over_sites", "site_index", "sum_over_sites",
+    # the ledger
+    "FP32_BITS", "find_comm_stats", "ledger_init", "ledger_record", "tree_dense_bits",
+    # packing
+    "code_bits", "pack_bits", "packed_words", "unpack_bits",
+    # keys
+    "Keys", "as_keys", "step_keys",
+    # exchange helpers and payloads
+    "Exchanged", "exchange", "leafwise", "one_round_exchange", "orthogonalize", "PowerSGDPayload",
+    "QuantizedPayload", "SparsePayload",
+    # batch stages
+    "BatchStage", "GradResult", "StageContext", "StageOutput",
+    # dAD kernels
+    "Factors", "current_state", "factorize", "layer_bits", "layer_route", "product_route",
+]
