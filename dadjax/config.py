@@ -88,8 +88,9 @@ class Config:
     choices = {"optimizer": ("sgd", "adam"), "backend": BACKENDS, "partition": PARTITIONS,
                "topology": TOPOLOGIES}
     for name, valid in choices.items():
-      if getattr(self, name) not in valid:
-        raise ConfigError(f"config.{name} must be one of {list(valid)}, got {getattr(self, name)!r}")
+      value = getattr(self, name)
+      if value not in valid:
+        raise ConfigError(f"config.{name} must be one of {list(valid)}, got {value!r}")
     _check_range("lr", self.lr, low=0.0)
     _check_range("momentum", self.momentum, low=0.0, high=1.0, low_open=False, high_open=True)
     _check_range("alpha", self.alpha, low=0.0)
@@ -257,7 +258,8 @@ def validate(config: Config) -> None:
                         f"{config.dataset!r} is built in (valid built-in names: {sorted(builtin)})")
   else:
     loader, exclude = _tfds.load_tfds, ("name", "data_dir")
-    note = f" (dataset {config.dataset!r} is read with tensorflow-datasets; set data_dir in the config)"
+    note = (f" (dataset {config.dataset!r} is read with tensorflow-datasets; "
+            "set data_dir in the config)")
   _check_kwargs("config.dataset_kwargs", config.dataset_kwargs, _valid_names(loader, exclude), note)
   model_classes = getattr(models, "_MODELS", {})
   if config.model.lower() not in model_classes:

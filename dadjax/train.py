@@ -123,9 +123,14 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   validate(config)
   try:
     dataset, _, batcher, step_fn = build(config)
+    state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(f"cannot build the run from the config: {e}") from e
-  state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+  except ZeroDivisionError as e:  # an initializer saw a layer with no inputs
+    raise ConfigError(
+        f"cannot build the run from the config: model {config.model!r} with "
+        f"{config.model_kwargs} has a layer with no inputs for input shape "
+        f"{dataset.x_train.shape[1:]} ({e})") from e
   store, state, wall0, last_row = _resume(config, state, restart)
   if store is not None and int(host_array(state.step)[0]) == config.steps:
     store.close()

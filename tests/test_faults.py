@@ -192,8 +192,8 @@ def test_nan_step_keeps_the_last_finite_checkpoint(tmp_path, capsys):
   bad = Config(**{**SMALL, "lr": 1e35, "checkpoint_every": 1, "eval_every": 1},
                checkpoint_dir=str(ckpt))
   with pytest.raises(DivergenceError, match=r"training diverged: loss is nan at step 2 "
-                     r"\(method='allreduce', lr=1e\+35\); the last finite checkpoint, step 1, is kept"
-                     ) as info:
+                     r"\(method='allreduce', lr=1e\+35\); "
+                     r"the last finite checkpoint, step 1, is kept") as info:
     train(bad, progress=False)
   assert isinstance(info.value, FloatingPointError)
   assert _steps(ckpt) == [1]
@@ -343,6 +343,11 @@ TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_sit
      "config.dataset_kwargs has unknown key(s) ['n_train']; valid keys: ['seed', 'test_fraction']"),
     (["model=mlpp"], "config.model: unknown model 'mlpp'; valid names: ["),
     (["dataset=nosuchdataset"], "cannot build the run from the config: Unknown data set name"),
+    (['dataset_kwargs={"test_fraction": 2}'], "cannot build the run from the config: "),
+    (["model=vit", 'model_kwargs={"patch_size": 3}'],
+     "cannot build the run from the config: image 8x8 not divisible by patch_size=3"),
+    (["model=cnn", 'model_kwargs={"features": [4, 4, 4, 4]}'],
+     "model 'cnn' with {'features': [4, 4, 4, 4]} has a layer with no inputs for input shape"),
     (["partition=random"], "config.partition must be one of ['iid', 'by_class', 'dirichlet']"),
     (["stepz=3"], "unknown config key(s) ['stepz']; valid keys: ["),
 ])
