@@ -171,9 +171,13 @@ class CheckpointDir:
     self._say = say
     self._lock_fd = None
     self._manager = None
-    self.directory.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-      self._lock()
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      if jax.process_index() == 0:
+        self._lock()
+    except OSError as e:
+      raise CheckpointError(f"checkpoint_dir {str(self.directory)!r} cannot be used: "
+                            f"{e.strerror or e}") from e
     try:
       self._manager = ocp.CheckpointManager(
           self.directory, options=ocp.CheckpointManagerOptions(
@@ -274,6 +278,8 @@ class CheckpointDir:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # pylint: disable=broad-except
+      if not (self.directory / str(step) / "meta").exists():
+        raise _Damaged("it has no dadjax record (an older format, or not written by dadjax)") from e
       raise _Damaged(f"its metadata cannot be read ({_first_line(e)})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "checksums" not in meta:
       raise _Damaged("its metadata is not a dadjax checkpoint record")

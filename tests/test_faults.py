@@ -398,3 +398,16 @@ def test_cli_simulates_enough_devices_for_the_config(tmp_path):
       cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 1
+
+
+def test_directory_without_dadjax_records_or_unusable(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  foreign = tmp_path / "foreign"
+  with ocp.CheckpointManager(foreign, options=ocp.CheckpointManagerOptions(create=True)) as m:
+    m.save(2, args=ocp.args.StandardSave({"a": jnp.ones(3)}))
+  with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step 2: it has no dadjax "
+                     r"record \(an older format, or not written by dadjax\)"):
+    train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(foreign)), progress=False)
+  (tmp_path / "file").write_text("")
+  with pytest.raises(CheckpointError, match=f"checkpoint_dir '{tmp_path / 'file'}' cannot be used"):
+    train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(tmp_path / "file")), progress=False)
