@@ -61,8 +61,9 @@ def _env():
 
 
 def _worker(config: dict, mode: str, **kw):
+  kw.setdefault("stderr", subprocess.PIPE)
   return subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(config), mode], env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                          stdout=subprocess.PIPE, text=True, **kw)
 
 
 def _steps(ckpt) -> list[int]:
@@ -266,7 +267,10 @@ def test_fields_that_may_change_on_resume(tmp_path, reference):
 
 def test_two_concurrent_runs(tmp_path, reference):
   ckpt = tmp_path / "ckpt"
-  proc = _worker({**SMALL, "checkpoint_dir": str(ckpt)}, "pause:2", stdin=subprocess.PIPE)
+  # stderr to a file: the pipe is not read while the worker runs.
+  log = open(tmp_path / "worker.err", "w")  # pylint: disable=consider-using-with
+  proc = _worker({**SMALL, "checkpoint_dir": str(ckpt)}, "pause:2", stdin=subprocess.PIPE,
+                 stderr=log)
   try:
     assert proc.stdout.readline().strip() == "paused"
     with pytest.raises(CheckpointError,
@@ -275,6 +279,7 @@ def test_two_concurrent_runs(tmp_path, reference):
   finally:
     proc.stdin.close()
     proc.wait(timeout=600)
+    log.close()
   assert proc.returncode == 0 and _steps(ckpt) == [4, 6]  # the first run was not disturbed
   run = train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False)  # lock released
   chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
