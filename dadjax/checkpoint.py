@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dadjax.comm import host_array
@@ -110,7 +111,18 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return checksum, finite
 
 
-_digest = jax.jit(lambda leaves: [_leaf_digest(x) for x in leaves])
+@jax.jit
+def _digest(leaves: list) -> tuple[jax.Array, jax.Array]:
+  """Checksums (uint32) and finiteness (bool), one entry per leaf, as two vectors."""
+  pairs = [_leaf_digest(x) for x in leaves] or [(jnp.uint32(0), jnp.array(True))]
+  return jnp.stack([c for c, _ in pairs]), jnp.stack([f for _, f in pairs])
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+  """A replicated result on the host (with many processes: this process's copy)."""
+  if x.is_fully_addressable or not x.sharding.is_fully_replicated:
+    return host_array(x)
+  return np.asarray(x.addressable_data(0))
 
 
 def state_digest(state: Any) -> tuple[dict[str, int], list[str]]:
@@ -127,9 +139,10 @@ def state_digest(state: Any) -> tuple[dict[str, int], list[str]]:
   """
   paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
-  digests = _digest([leaf for _, leaf in paths_leaves])
-  checksums = {p: int(host_array(c)) for p, (c, _) in zip(paths, digests)}
-  nonfinite = [p for p, (_, f) in zip(paths, digests) if not bool(host_array(f))]
+  sums, finite = _digest([leaf for _, leaf in paths_leaves])
+  sums, finite = _fetch(sums), _fetch(finite)  # the only two transfers
+  checksums = {p: int(c) for p, c in zip(paths, sums)}
+  nonfinite = [p for p, f in zip(paths, finite) if not f]
   return checksums, nonfinite
 
 
@@ -159,7 +172,8 @@ class CheckpointDir:
     say: where notices go (default: stderr, prefixed ``dadjax:``).
 
   Raises:
-    CheckpointError: the directory is in use by another process.
+    CheckpointError: the directory is in use by another process, or cannot
+      be created or written.
   """
 
   def __init__(self, directory: str | os.PathLike, config: Config, *, restart: bool = False,
