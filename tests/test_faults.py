@@ -303,6 +303,12 @@ def test_finished_run_reruns_as_a_no_op(tmp_path, capsys):
       f"checkpoint_dir '{ckpt}' (4); set steps >= 4, or use a new checkpoint_dir or "
       "restart=True (--restart)")
   assert cli.main(args[:-5] + ["steps=6"] + args[-4:]) == 0  # more steps: resumes
+  capsys.readouterr()
+  assert cli.main(args + ["--restart"]) == 0  # starts over from step 0
+  captured = capsys.readouterr()
+  assert "restart: deleted the checkpoints at steps [4, 6]" in captured.err
+  assert [json.loads(r)["step"] for r in captured.out.splitlines()] == [2, 4, 4]
+  assert json.loads(captured.out.splitlines()[-1])["loss"] == final["loss"]
 
 
 # -- checksums -------------------------------------------------------------------------------
