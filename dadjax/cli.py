@@ -1,4 +1,9 @@
-"""The ``dadjax`` command: ``dadjax train`` and ``dadjax demo``."""
+"""The ``dadjax`` command: ``dadjax train`` and ``dadjax demo``.
+
+A mistake in the command line, the config or the checkpoint directory is
+reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
+shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import argparse
 import json
 import os
 import sys
+import traceback
+
+from dadjax.errors import DadjaxError
+
+DEFAULT_DEVICES = 8
 
 
 def _simulate_devices(n: int) -> None:
@@ -16,43 +26,80 @@ def _simulate_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="dadjax", description=__doc__)
+def _debug_flag(parser: argparse.ArgumentParser) -> None:
+  """``--debug`` after the subcommand too (SUPPRESS keeps one given before it)."""
+  parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                      help="show the Python traceback of an error instead of one line")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="dadjax", description=__doc__.splitlines()[0])
+  parser.add_argument("--debug", action="store_true",
+                      help="show the Python traceback of an error instead of one line")
   sub = parser.add_subparsers(dest="command", required=True)
   p_train = sub.add_parser("train", help="train from a config file and key=value overrides")
   p_train.add_argument("--config", help="TOML or JSON config file")
   p_train.add_argument("overrides", nargs="*", help="key=value, e.g. method=topk:0.01 steps=500")
   p_train.add_argument("--no-progress", action="store_true")
+  p_train.add_argument("--restart", action="store_true",
+                       help="delete the checkpoints in checkpoint_dir and start from step 0")
+  p_train.set_defaults(handler=_train)
+  _debug_flag(p_train)
   p_demo = sub.add_parser("demo", help="every method on the embedded digits over 8 sites")
   p_demo.add_argument("--steps", type=int, default=300)
   p_demo.add_argument("--methods", help="comma-separated method specs (default: all)")
   p_demo.add_argument("--out", default="demo_out")
   p_demo.add_argument("--no-progress", action="store_true")
-  sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
-  args = parser.parse_args(argv)
-  if args.command == "methods":
-    from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
-    print(describe())
-    return 0
+  p_demo.set_defaults(handler=_demo)
+  _debug_flag(p_demo)
+  p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
+  p_methods.set_defaults(handler=_methods)
+  _debug_flag(p_methods)
+  return parser
 
-  _simulate_devices(8)
+
+def _methods(args: argparse.Namespace) -> int:
+  del args
+  from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
+  print(describe())
+  return 0
+
+
+def _train(args: argparse.Namespace) -> int:
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
-
-  if args.command == "train":
-    from dadjax.train import train  # pylint: disable=g-import-not-at-top
-    try:
-      config = load_config(args.config, args.overrides)
-    except ValueError as e:
-      parser.error(str(e))
-    run = train(config, progress=not args.no_progress,
-                log=lambda row: print(json.dumps(row), flush=True))
+  config = load_config(args.config, args.overrides)
+  # Read the config first: shard_map over num_sites sites needs that many devices.
+  _simulate_devices(max(DEFAULT_DEVICES, config.num_sites))
+  from dadjax.train import train  # pylint: disable=g-import-not-at-top
+  run = train(config, progress=not args.no_progress, restart=args.restart,
+              log=lambda row: print(json.dumps(row), flush=True))
+  if run.history:
     print(json.dumps(run.final))
-    return 0
+  return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+  _simulate_devices(DEFAULT_DEVICES)
   from dadjax.demo import DEFAULT_METHODS, run_demo  # pylint: disable=g-import-not-at-top
   from dadjax.registry import split_specs  # pylint: disable=g-import-not-at-top
   methods = split_specs(args.methods) if args.methods else tuple(DEFAULT_METHODS)
   run_demo(methods, steps=args.steps, out_dir=args.out, progress=not args.no_progress)
   return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+  """Run a parsed command; the library's own errors become one line and exit code 2."""
+  try:
+    return args.handler(args)
+  except DadjaxError as e:
+    if args.debug:
+      traceback.print_exc()
+    print(f"dadjax: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv=None) -> int:
+  return _run(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

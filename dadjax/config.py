@@ -9,10 +9,20 @@ the valid ones, so a typo never silently trains the default.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import math
 import pathlib
 import tomllib
 from typing import Any, Iterable
+
+from dadjax.errors import ConfigError
+
+# Kept here (not imported) so that reading a config never imports JAX: the
+# command line sets up simulated devices after reading the config.
+BACKENDS = ("shard_map", "pmap", "vmap")
+PARTITIONS = ("iid", "by_class", "dirichlet")
+TOPOLOGIES = ("ring", "ps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +78,24 @@ class Config:
   topology: str = "ring"
 
   def __post_init__(self):
+    _check_types(self)
     positive = ("num_sites", "batch_per_site", "steps", "eval_every", "checkpoint_every")
     for name in positive:
+      if getattr(self, name) < 1:
+        raise ConfigError(f"config.{name} must be an int >= 1, got {getattr(self, name)!r}")
+    if self.seed < 0:
+      raise ConfigError(f"config.seed must be an int >= 0, got {self.seed!r}")
+    choices = {"optimizer": ("sgd", "adam"), "backend": BACKENDS, "partition": PARTITIONS,
+               "topology": TOPOLOGIES}
+    for name, valid in choices.items():
       value = getattr(self, name)
-      if not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"config.{name} must be an int >= 1, got {value!r}")
-    if self.optimizer not in ("sgd", "adam"):
-      raise ValueError(f"config.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
-    if not self.lr > 0:
-      raise ValueError(f"config.lr must be > 0, got {self.lr}")
+      if value not in valid:
+        raise ConfigError(f"config.{name} must be one of {list(valid)}, got {value!r}")
+    _check_range("lr", self.lr, low=0.0)
+    _check_range("momentum", self.momentum, low=0.0, high=1.0, low_open=False, high_open=True)
+    _check_range("alpha", self.alpha, low=0.0)
+    _check_range("bandwidth", self.bandwidth, low=0.0)
+    _check_range("latency", self.latency, low=0.0, low_open=False)
 
   def replace(self, **changes) -> "Config":
     _check_keys(changes)
@@ -90,48 +109,167 @@ def _fields() -> dict[str, dataclasses.Field]:
 def _check_keys(keys: Iterable[str]) -> None:
   unknown = sorted(set(keys) - set(_fields()))
   if unknown:
-    raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(_fields())}")
+    raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {sorted(_fields())}")
+
+
+def _kinds(field: dataclasses.Field) -> set[str]:
+  """The annotation's alternatives, e.g. ``{"str", "None"}`` for ``str | None``."""
+  return {part.strip().split("[")[0] for part in str(field.type).split("|")}
+
+
+def _check_types(config: Config) -> None:
+  for name, field in _fields().items():
+    value, kinds = getattr(config, name), _kinds(field)
+    if value is None and "None" in kinds:
+      continue
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool), "str": isinstance(value, str),
+          "dict": isinstance(value, dict)}
+    if not any(ok.get(kind, True) for kind in kinds - {"None"}):
+      raise ConfigError(f"config.{name} must be {field.type}, got {value!r}")
+
+
+def _check_range(name: str, value: float, low: float, high: float = math.inf,
+                 low_open: bool = True, high_open: bool = False) -> None:
+  above = value > low if low_open else value >= low
+  below = value < high if high_open else value <= high
+  if not (math.isfinite(value) and above and below):
+    interval = (("(" if low_open else "[") + f"{low:g}, "
+                + (f"{high:g}" if math.isfinite(high) else "inf") + (")" if high_open else "]"))
+    raise ConfigError(f"config.{name} must be finite and in {interval}, got {value!r}")
 
 
 def _parse_value(name: str, text: str) -> Any:
-  field = _fields()[name]
-  kind = str(field.type)
-  if text in ("None", "null") and "None" in kind:
+  kinds = _kinds(_fields()[name])
+  if text in ("None", "null") and "None" in kinds:
     return None
-  if kind.startswith("dict"):
-    return json.loads(text)
-  if kind.startswith("int"):
-    return int(text)
-  if kind.startswith("float"):
-    return float(text)
+  try:
+    if "dict" in kinds:
+      return json.loads(text)
+    if "bool" in kinds:
+      if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError("not true/false")
+      return text.lower() in ("true", "1")
+    if "int" in kinds:
+      return int(text)
+    if "float" in kinds:
+      return float(text)
+  except ValueError as e:
+    raise ConfigError(f"override {name}={text!r}: not a valid {_fields()[name].type} ({e})") from e
   return text
+
+
+def _read_file(path: pathlib.Path) -> dict:
+  try:
+    text = path.read_text()
+  except FileNotFoundError:
+    raise ConfigError(f"config file {str(path)!r} not found") from None
+  except OSError as e:
+    raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+  try:
+    values = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+  except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    kind = "TOML" if path.suffix == ".toml" else "JSON"
+    raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {e}") from None
+  if not isinstance(values, dict):
+    raise ConfigError(f"config file {str(path)!r} must hold a table of config keys")
+  return values
 
 
 def load_config(path: str | pathlib.Path | None = None, overrides: Iterable[str] = ()) -> Config:
   """Read a TOML / JSON config file (optional) and apply ``key=value`` overrides.
 
   Args:
-    path: a ``.toml`` or ``.json`` file with any subset of :class:`Config` fields.
+    path: a ``.toml`` file, or a JSON file, with any subset of :class:`Config` fields.
     overrides: strings ``"key=value"``; values are parsed by the field's type
-      (``model_kwargs`` takes JSON).
+      (``model_kwargs`` and ``dataset_kwargs`` take JSON).
 
   Returns:
     The :class:`Config`.
 
   Raises:
-    ValueError: unknown keys, malformed overrides or out-of-range values.
+    ConfigError: (a ``ValueError``) a missing or malformed file (named),
+      unknown keys, malformed overrides or out-of-range values.
   """
   values: dict[str, Any] = {}
   if path is not None:
     path = pathlib.Path(path)
-    text = path.read_text()
-    values = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    _check_keys(values)
+    values = _read_file(path)
+    try:
+      _check_keys(values)
+    except ConfigError as e:
+      raise ConfigError(f"config file {str(path)!r}: {e}") from None
   for item in overrides:
     if "=" not in item:
-      raise ValueError(f"override {item!r} must look like key=value")
+      raise ConfigError(f"override {item!r} must look like key=value")
     key, text = item.split("=", 1)
     key = key.strip()
     _check_keys([key])
     values[key] = _parse_value(key, text.strip())
   return Config(**values)
+
+
+def _valid_names(fn_or_cls, exclude: Iterable[str] = ()) -> list[str]:
+  if dataclasses.is_dataclass(fn_or_cls):
+    names = [f.name for f in dataclasses.fields(fn_or_cls) if f.init]
+  else:
+    names = list(inspect.signature(fn_or_cls).parameters)
+  return sorted(set(names) - set(exclude) - {"parent", "name"})
+
+
+def _check_kwargs(what: str, given: dict, valid: list[str], note: str = "") -> None:
+  unknown = sorted(set(given) - set(valid))
+  if unknown:
+    raise ConfigError(f"{what} has unknown key(s) {unknown}; valid keys: {valid}{note}")
+
+
+def _check_sizes(what: str, kwargs: dict) -> None:
+  """Integer model fields (widths, depths, sizes) must be >= 1."""
+  for key, value in kwargs.items():
+    items = value if isinstance(value, (list, tuple)) else [value]
+    ints = [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
+    if any(v < 1 for v in ints):
+      raise ConfigError(f"{what}[{key!r}] must hold ints >= 1 (a width, depth or size), "
+                        f"got {value!r}")
+
+
+def validate(config: Config) -> None:
+  """Check what the config names against the code, before anything is built.
+
+  ``Config`` itself checks types and ranges; this checks the dataset's and
+  model's names and keyword arguments against the loader's and the model's
+  signatures (listing the valid ones), model widths ``>= 1`` and that the
+  method spec parses. Imports JAX (the checks need the model classes).
+
+  Raises:
+    ConfigError: naming the field and the valid choices.
+  """
+  # pylint: disable=g-import-not-at-top
+  from dadjax import models
+  from dadjax.data import _tfds
+  from dadjax.methods import build_method
+  # pylint: enable=g-import-not-at-top
+  builtin = getattr(_tfds, "_BUILTIN", {})
+  if config.dataset in builtin:
+    loader, exclude, note = builtin[config.dataset], (), ""
+    if config.data_dir:
+      raise ConfigError(f"config.data_dir is for tensorflow-datasets; dataset "
+                        f"{config.dataset!r} is built in (valid built-in names: {sorted(builtin)})")
+  else:
+    loader, exclude = _tfds.load_tfds, ("name", "data_dir")
+    note = (f" (dataset {config.dataset!r} is read with tensorflow-datasets; "
+            "set data_dir in the config)")
+  _check_kwargs("config.dataset_kwargs", config.dataset_kwargs, _valid_names(loader, exclude), note)
+  model_classes = getattr(models, "_MODELS", {})
+  if config.model.lower() not in model_classes:
+    raise ConfigError(f"config.model: unknown model {config.model!r}; valid names: "
+                      f"{sorted(model_classes)}")
+  valid = _valid_names(model_classes[config.model.lower()], ("dense", "num_classes"))
+  _check_kwargs("config.model_kwargs", config.model_kwargs, valid,
+                " (num_classes comes from the dataset, dense from the method)")
+  _check_sizes("config.model_kwargs", config.model_kwargs)
+  try:
+    build_method(config.method, axis_name="data", seed=config.seed)
+  except ValueError as e:
+    raise ConfigError(f"config.method: {e}") from e

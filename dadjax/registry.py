@@ -39,7 +39,7 @@ parenthesized form inside a colon spec (``correct=topk(0.1)``); inside
 parentheses either form works. ``ef_<compressor>`` means
 ``ef(<compressor>)`` (a prefix alias).
 
-This module imports nothing from ``dadjax``; the built-in families
+This module imports nothing from ``dadjax`` but its error types; the built-in families
 (``dadjax.compress``, ``dadjax.dad``, ``dadjax.methods`` and, when
 present, ``dadjax.adaptive`` and ``dadjax.dataquant``) register themselves
 when they are imported, and are imported on the first lookup.
@@ -54,6 +54,8 @@ import re
 from typing import Any, Callable, NamedTuple
 
 import optax
+
+from dadjax.errors import DadjaxError
 
 __all__ = [
     "Arg",
@@ -565,7 +567,7 @@ def valid_forms(kind: str = "method") -> list[str]:
   return forms
 
 
-class SpecError(ValueError):
+class SpecError(DadjaxError):
   """A spec that does not parse, names no registered method, or has bad arguments.
 
   The message says what is wrong and lists every valid form of the kind

@@ -11,19 +11,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
 from dadjax import models
 from dadjax.comm import NetworkModel, comm_stats, host_array
-from dadjax.config import Config
+from dadjax.checkpoint import CheckpointDir, truncate_metrics
+from dadjax.config import Config, validate
+from dadjax.errors import CheckpointError, ConfigError, DivergenceError
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_train_step, unstack_site
 
@@ -91,34 +93,58 @@ def build(config: Config):
   return dataset, parts, batcher, step_fn
 
 
-def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] | None = None) -> Run:
+def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] | None = None,
+          restart: bool = False) -> Run:
   """Train according to ``config``; resume from ``config.checkpoint_dir`` if it holds a checkpoint.
+
+  The checkpoint directory is locked for the life of the run, only finite
+  states are saved, and a checkpoint is resumed only if it was written by
+  the same configuration (see :mod:`dadjax.checkpoint`). On resume,
+  ``out_dir/metrics.jsonl`` is cut back to the resumed step and the wall
+  time continues from the checkpoint's. A run whose checkpoint is already at
+  ``config.steps`` does nothing and returns the last logged metrics.
 
   Args:
     config: the run's :class:`~dadjax.config.Config`.
     progress: show a progress bar.
     log: called with each metrics row (also written to ``out_dir/metrics.jsonl``).
+    restart: delete the checkpoints in ``config.checkpoint_dir`` and start
+      from step 0 instead of resuming.
 
   Returns:
     A :class:`Run` with the final state and the logged rows.
+
+  Raises:
+    ConfigError: the config names a dataset, model or method that cannot be built.
+    CheckpointError: the checkpoint directory is in use, belongs to another
+      configuration, is past ``config.steps``, or holds no intact checkpoint.
+    DivergenceError: a non-finite loss or state (never logged or saved).
   """
-  dataset, _, batcher, step_fn = build(config)
-  state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
-  manager = None
-  if config.checkpoint_dir:
-    manager = ocp.CheckpointManager(
-        pathlib.Path(config.checkpoint_dir).absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    if manager.latest_step() is not None:
-      state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+  validate(config)
+  try:
+    dataset, _, batcher, step_fn = build(config)
+    state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f"cannot build the run from the config: {e}") from e
+  except ZeroDivisionError as e:  # an initializer saw a layer with no inputs
+    raise ConfigError(
+        f"cannot build the run from the config: model {config.model!r} with "
+        f"{config.model_kwargs} has a layer with no inputs for input shape "
+        f"{dataset.x_train.shape[1:]} ({e})") from e
+  store, state, wall0, last_row = _resume(config, state, restart)
+  if store is not None and int(host_array(state.step)[0]) == config.steps:
+    store.close()
+    print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
+          "nothing to do", file=sys.stderr, flush=True)
+    return Run(config, state, step_fn, [last_row] if last_row else [], dataset)
   apply = jax.jit(step_fn.model.apply)
   network = NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology)
+  start = int(host_array(state.step)[0])
   out_file = None
   if config.out_dir:
     pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+    truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
     out_file = open(pathlib.Path(config.out_dir) / "metrics.jsonl", "a")
-
-  start = int(host_array(state.step)[0])
   history: list[dict] = []
   bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
              initial=start, total=config.steps, leave=False)
@@ -130,14 +156,15 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
       state, metrics = step_fn(state, {"x": x, "y": y})
       done = step + 1
       log_now = done % config.eval_every == 0 or done == config.steps
-      save_now = manager is not None and (done % config.checkpoint_every == 0
-                                          or done == config.steps)
+      save_now = store is not None and (done % config.checkpoint_every == 0
+                                        or done == config.steps)
       if log_now or save_now:  # the only host syncs of the loop
-        _check_finite(metrics, done, config, manager)
+        _check_finite(metrics, done, config, store)
       if log_now:
         row = _log_row(config, apply, state, metrics, dataset, network, done,
-                       time.perf_counter() - t0)
+                       wall0 + time.perf_counter() - t0)
         history.append(row)
+        last_row = row
         bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
         if out_file:
           out_file.write(json.dumps(row) + "\n")
@@ -145,22 +172,45 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
         if log:
           log(row)
       if save_now:
-        manager.save(done, args=ocp.args.StandardSave(state))
+        store.save(done, state, wall_s=wall0 + time.perf_counter() - t0, row=last_row)
   finally:
-    if manager:
-      manager.wait_until_finished()
-      manager.close()
+    if store is not None:
+      store.close()
     if out_file:
       out_file.close()
   return Run(config, state, step_fn, history, dataset)
 
 
-def _check_finite(metrics, step: int, config: Config, manager) -> None:
+def _resume(config: Config, state, restart: bool):
+  """Open and lock ``config.checkpoint_dir`` and restore its newest intact checkpoint.
+
+  Returns ``(store, state, wall_s, last_row)``; ``store`` is ``None`` without
+  a checkpoint directory, and ``state`` the restored one if there was one.
+  """
+  if not config.checkpoint_dir:
+    return None, state, 0.0, None
+  store = CheckpointDir(config.checkpoint_dir, config, restart=restart)
+  try:
+    restored = store.restore(state)
+    if restored is None:
+      return store, state, 0.0, None
+    if restored.step > config.steps:
+      raise CheckpointError(
+          f"config.steps={config.steps} is smaller than the step of the checkpoint in "
+          f"checkpoint_dir {config.checkpoint_dir!r} ({restored.step}); set steps >= "
+          f"{restored.step}, or use a new checkpoint_dir or restart=True (--restart)")
+  except BaseException:
+    store.close()
+    raise
+  return store, restored.state, restored.meta.get("wall_s", 0.0), restored.meta.get("row")
+
+
+def _check_finite(metrics, step: int, config: Config, store) -> None:
   """Stop on a non-finite loss before it is logged or checkpointed."""
   loss = float(host_array(metrics["loss"])[0])
   if not np.isfinite(loss):
-    kept = manager.latest_step() if manager is not None else None
-    raise FloatingPointError(
+    kept = store.latest_step() if store is not None else None
+    raise DivergenceError(
         f"training diverged: loss is {loss} at step {step} (method={config.method!r}, "
         f"lr={config.lr}); "
         + (f"the last finite checkpoint, step {kept}, is kept" if kept is not None

@@ -74,9 +74,8 @@ def test_cli_train_runs_and_rejects_unknown_keys(capsys):
                    "backend=vmap", "batch_per_site=4"]) == 0
   final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert final["step"] == 2
-  with pytest.raises(SystemExit):
-    cli.main(["train", "stepz=2"])
-  assert "unknown config key" in capsys.readouterr().err
+  assert cli.main(["train", "stepz=2"]) == 2
+  assert "dadjax: error: unknown config key" in capsys.readouterr().err
 
 
 def test_unknown_method_lists_the_valid_ones():
@@ -88,9 +87,13 @@ def test_divergence_stops_before_a_nan_is_checkpointed(tmp_path):
   ckpt = tmp_path / "ckpt"
   good = Config(**{**SMALL, "steps": 3}, checkpoint_dir=str(ckpt), checkpoint_every=3)
   train(good, progress=False)
-  # Resume the same run with an absurd learning rate: the loss overflows.
+  # An absurd learning rate is another run: refused against this checkpoint.
   bad = good.replace(steps=9, lr=1e30)
-  with pytest.raises(FloatingPointError, match="diverged.*last finite checkpoint, step 3"):
+  with pytest.raises(ValueError, match="differing fields: lr"):
+    train(bad, progress=False)
+  # Its own run diverges at step 2; the finite step-1 checkpoint is kept.
+  bad = bad.replace(checkpoint_dir=str(tmp_path / "bad"), checkpoint_every=1)
+  with pytest.raises(FloatingPointError, match="diverged.*last finite checkpoint, step 1"):
     train(bad, progress=False)
   resumed = train(good.replace(steps=6), progress=False)
   assert resumed.final["step"] == 6 and np.isfinite(resumed.final["loss"])

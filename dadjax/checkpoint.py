@@ -1,0 +1,384 @@
+"""Checkpoints that are never poisoned and never silently misused.
+
+A run's ``checkpoint_dir`` holds orbax checkpoints, one directory per step,
+each with two items: ``state`` (the :class:`~dadjax.parallel.TrainState`)
+and ``meta`` (JSON: the run's fingerprint, a checksum of every leaf of the
+state, the wall time so far and the last logged metrics row).
+:class:`CheckpointDir` guards the directory for the life of a run:
+
+- **Lock.** An exclusive ``fcntl`` lock on ``checkpoint_dir/dadjax.lock``;
+  a second run on the same directory fails with "in use by pid N". The
+  kernel drops the lock when the process dies, so a killed run never
+  leaves the directory locked.
+- **Finite saves only.** :meth:`CheckpointDir.save` checks the state being
+  saved (every floating leaf of the parameters, optimizer and model state)
+  and raises :class:`~dadjax.errors.DivergenceError` instead of writing a
+  non-finite one.
+- **Fingerprint.** What must match to resume (:func:`fingerprint`: method
+  spec, model and kwargs, optimizer and hyperparameters, sites, data and
+  partition, seed, library version) is stored in every checkpoint; a
+  different one is refused with one message naming the differing fields.
+- **Verified restore.** Each checkpoint, newest first, must restore through
+  orbax and match its stored checksums; a damaged one is reported, deleted
+  and the next older one is tried.
+
+Checksums are computed on the device by one jitted reduction per leaf
+(``sum(bits[i] * w[i]) mod 2**32`` with distinct odd weights ``w[i]``), so
+any change of a single element is always detected, the value is the same
+for every sharding and process, and nothing is copied to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from dadjax.comm import host_array
+from dadjax.config import Config
+from dadjax.errors import CheckpointError, DivergenceError
+
+__all__ = ["CheckpointDir", "Restored", "fingerprint", "state_digest", "truncate_metrics",
+           "FINGERPRINT_EXCLUDED"]
+
+FORMAT = 1
+
+# Config fields that may change between a run and its resumption; every
+# other field (including ones added later) is part of the fingerprint.
+FINGERPRINT_EXCLUDED = frozenset({
+    "steps", "eval_every", "checkpoint_dir", "checkpoint_every", "out_dir", "data_dir",
+    "backend", "bandwidth", "latency", "topology"})
+
+LOCK_FILE = "dadjax.lock"
+
+
+def _say(message: str) -> None:
+  print(f"dadjax: {message}", file=sys.stderr, flush=True)
+
+
+def fingerprint(config: Config) -> dict[str, Any]:
+  """What must match for a checkpoint of one run to resume another.
+
+  Every :class:`~dadjax.config.Config` field except those in
+  ``FINGERPRINT_EXCLUDED`` (steps, eval and checkpoint cadence, output
+  locations, backend and the network model), plus the library version.
+  Values are JSON-normalized (tuples become lists).
+  """
+  from dadjax import __version__  # pylint: disable=g-import-not-at-top
+  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name not in FINGERPRINT_EXCLUDED}
+  values["version"] = __version__
+  return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+
+def _fingerprint_diff(saved: dict, current: dict) -> list[str]:
+  return [f"{k}: {saved.get(k, '<absent>')!r} in the checkpoint, {current.get(k, '<absent>')!r} now"
+          for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as a flat uint32 vector (one word per element, or two for 64-bit)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if jnp.iscomplexobj(x):
+    x = jnp.stack([jnp.real(x), jnp.imag(x)], -1)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32).ravel()
+  size = x.dtype.itemsize
+  if size == 4 or size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+  small = {2: jnp.uint16, 1: jnp.uint8}[size]
+  return jax.lax.bitcast_convert_type(x, small).astype(jnp.uint32).ravel()
+
+
+def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  x = jnp.asarray(x)
+  words = _as_words(x)
+  index = jnp.arange(words.size, dtype=jnp.uint32)
+  weights = index * jnp.uint32(0x9E3779B9) * jnp.uint32(2) + jnp.uint32(1)  # odd: invertible
+  checksum = jnp.sum(words * weights, dtype=jnp.uint32)
+  finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+            else jnp.array(True))
+  return checksum, finite
+
+
+@jax.jit
+def _digest(leaves: list) -> tuple[jax.Array, jax.Array]:
+  """Checksums (uint32) and finiteness (bool), one entry per leaf, as two vectors."""
+  pairs = [_leaf_digest(x) for x in leaves] or [(jnp.uint32(0), jnp.array(True))]
+  return jnp.stack([c for c, _ in pairs]), jnp.stack([f for _, f in pairs])
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+  """A replicated result on the host (with many processes: this process's copy)."""
+  if x.is_fully_addressable or not x.sharding.is_fully_replicated:
+    return host_array(x)
+  return np.asarray(x.addressable_data(0))
+
+
+def state_digest(state: Any) -> tuple[dict[str, int], list[str]]:
+  """Checksums of every leaf and the paths of the non-finite ones.
+
+  Args:
+    state: a pytree of arrays (possibly sharded over devices or processes).
+
+  Returns:
+    ``(checksums, nonfinite)``: ``{keypath: uint32 checksum}`` for every leaf
+    (``sum(bits[i] * (2 * i * 0x9E3779B9 + 1)) mod 2**32`` over the leaf's
+    elements as 32-bit words), and the key paths of floating leaves holding
+    a NaN or an infinity, in tree order.
+  """
+  paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+  sums, finite = _digest([leaf for _, leaf in paths_leaves])
+  sums, finite = _fetch(sums), _fetch(finite)  # the only two transfers
+  checksums = {p: int(c) for p, c in zip(paths, sums)}
+  nonfinite = [p for p, f in zip(paths, finite) if not f]
+  return checksums, nonfinite
+
+
+@dataclasses.dataclass
+class Restored:
+  """A verified checkpoint: its ``step``, ``state`` and ``meta`` (JSON dict)."""
+
+  step: int
+  state: Any
+  meta: dict
+
+
+class CheckpointDir:
+  """A locked, fingerprinted, verified checkpoint directory for one run.
+
+  Use as a context manager (or call :meth:`close`); the lock is held from
+  construction until then.
+
+  Args:
+    directory: the checkpoint directory (created if missing).
+    config: the run's config; its :func:`fingerprint` is checked against
+      the checkpoints found and stored in the ones written.
+    restart: delete the directory's checkpoints (of whatever run) instead
+      of resuming from them.
+    max_to_keep: checkpoints kept (>= 2, so that a damaged newest one has
+      an older one to fall back to). Default 2.
+    say: where notices go (default: stderr, prefixed ``dadjax:``).
+
+  Raises:
+    CheckpointError: the directory is in use by another process, or cannot
+      be created or written.
+  """
+
+  def __init__(self, directory: str | os.PathLike, config: Config, *, restart: bool = False,
+               max_to_keep: int = 2, say: Callable[[str], None] = _say):
+    if max_to_keep < 2:
+      raise ValueError(f"max_to_keep must be >= 2, got {max_to_keep}")
+    self.directory = pathlib.Path(directory).absolute()
+    self.fingerprint = fingerprint(config)
+    self._say = say
+    self._lock_fd = None
+    self._manager = None
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      if jax.process_index() == 0:
+        self._lock()
+    except OSError as e:
+      raise CheckpointError(f"checkpoint_dir {str(self.directory)!r} cannot be used: "
+                            f"{e.strerror or e}") from e
+    try:
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=ocp.CheckpointManagerOptions(
+              max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True))
+      if restart and self._manager.all_steps():
+        steps = sorted(self._manager.all_steps())
+        for step in steps:
+          self._manager.delete(step)
+        self._say(f"restart: deleted the checkpoints at steps {steps} in {self.directory}")
+    except BaseException:
+      self.close()
+      raise
+
+  # -- lock ------------------------------------------------------------------
+
+  def _lock(self) -> None:
+    path = self.directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      raise CheckpointError(
+          f"checkpoint_dir {str(self.directory)!r} is in use by pid {holder}; wait for that run "
+          "to finish, stop it, or use another checkpoint_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    self._lock_fd = fd
+
+  def close(self) -> None:
+    """Wait for pending writes, close orbax and release the lock."""
+    try:
+      if self._manager is not None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+        self._manager = None
+    finally:
+      if self._lock_fd is not None:
+        os.ftruncate(self._lock_fd, 0)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+  def __enter__(self) -> "CheckpointDir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- save ------------------------------------------------------------------
+
+  def latest_step(self) -> int | None:
+    """The newest finalized step in the directory (``None``: none)."""
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, **meta: Any) -> None:
+    """Save ``state`` as ``step`` if every floating leaf is finite.
+
+    Args:
+      step: the step the state is at.
+      state: the pytree to save (the state that will be restored).
+      **meta: JSON-serializable extras stored with it (e.g. ``wall_s``, ``row``).
+
+    Raises:
+      DivergenceError: a leaf of ``state`` holds a NaN or an infinity;
+        nothing is written and the message names the leaf and the kept
+        checkpoint.
+    """
+    checksums, nonfinite = state_digest(state)
+    if nonfinite:
+      kept = self._manager.latest_step()
+      raise DivergenceError(
+          f"training diverged: {nonfinite[0]} is not finite at step {step}"
+          + (f" ({len(nonfinite)} non-finite leaves)" if len(nonfinite) > 1 else "")
+          + f" (method={self.fingerprint.get('method')!r}, lr={self.fingerprint.get('lr')}); "
+          + (f"it was not checkpointed; the last finite checkpoint, step {kept}, is kept"
+             if kept is not None else "it was not checkpointed; no checkpoint was written"))
+    record = {"format": FORMAT, "step": step, "fingerprint": self.fingerprint,
+              "checksums": checksums, **meta}
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+
+  # -- restore ---------------------------------------------------------------
+
+  def _check_fingerprint(self, step: int, meta: dict) -> None:
+    saved = meta.get("fingerprint", {})
+    diff = _fingerprint_diff(saved, self.fingerprint)
+    if diff:
+      raise CheckpointError(
+          f"checkpoint_dir {str(self.directory)!r} holds a different run (step {step}); "
+          f"differing fields: {'; '.join(diff)}. To train this config, use a new "
+          "checkpoint_dir, or restart=True (--restart) to delete these checkpoints and start over")
+
+  def _verify(self, step: int, template: Any) -> Restored:
+    """Restore ``step`` and check it; raises ``_Damaged`` with the reason."""
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # pylint: disable=broad-except
+      if not (self.directory / str(step) / "meta").exists():
+        raise _Damaged("it has no dadjax record (an older format, or not written by dadjax)") from e
+      raise _Damaged(f"its metadata cannot be read ({_first_line(e)})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "checksums" not in meta:
+      raise _Damaged("its metadata is not a dadjax checkpoint record")
+    self._check_fingerprint(step, meta)
+    try:
+      state = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(template))).state
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Damaged(f"the state cannot be restored ({_first_line(e)})") from e
+    checksums, nonfinite = state_digest(state)
+    if set(checksums) != set(meta["checksums"]):
+      raise _Damaged("its leaves differ from the ones recorded at save time")
+    for path, value in checksums.items():
+      if value != meta["checksums"][path]:
+        raise _Damaged(f"the checksum of {path} differs from the one recorded at save time")
+    if nonfinite:
+      raise _Damaged(f"{nonfinite[0]} is not finite")
+    return Restored(step, state, meta)
+
+  def restore(self, template: Any) -> Restored | None:
+    """The newest intact checkpoint, restored into ``template``'s structure and placement.
+
+    Damaged checkpoints (unreadable, failing their checksums) are reported,
+    deleted, and the next older one is tried.
+
+    Args:
+      template: a state with the structure, shapes, dtypes and shardings to
+        restore into (e.g. the freshly initialized one).
+
+    Returns:
+      A :class:`Restored`, or ``None`` if the directory holds no checkpoint.
+
+    Raises:
+      CheckpointError: a checkpoint was written by a different configuration
+        (the message names the fields), or none of the checkpoints is intact.
+    """
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+      try:
+        restored = self._verify(step, template)
+      except _Damaged as e:
+        damaged.append((step, str(e)))
+        self._say(f"checkpoint step {step} in {self.directory} is damaged ({e}); skipped")
+        continue
+      for bad, _ in damaged:
+        self._manager.delete(bad)
+      self._say(f"resuming from checkpoint step {step} in {self.directory}"
+                + (f"; deleted the damaged step(s) {[s for s, _ in damaged]}" if damaged else ""))
+      return restored
+    if damaged:
+      reasons = "; ".join(f"step {s}: {why}" for s, why in damaged)
+      raise CheckpointError(
+          f"no intact checkpoint in checkpoint_dir {str(self.directory)!r} ({reasons}). "
+          "Use a new checkpoint_dir, or restart=True (--restart) to delete them and start over")
+    return None
+
+
+class _Damaged(Exception):
+  pass
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().split(" See full TensorStore details")[0].splitlines()
+  return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def truncate_metrics(path: str | os.PathLike, step: int) -> None:
+  """Keep only the rows of a ``metrics.jsonl`` logged at or before ``step``.
+
+  Rows after a resumed checkpoint would otherwise appear twice; a row cut
+  short by a killed process is dropped too. A missing file is left missing.
+  """
+  path = pathlib.Path(path)
+  if not path.exists():
+    return
+  kept = []
+  for line in path.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+      kept.append(line)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text("".join(line + "\n" for line in kept))
+  os.replace(tmp, path)
+

@@ -1,0 +1,424 @@
+"""Fault injection: killed runs, damaged checkpoints, misused directories, bad input.
+
+Each test asserts the documented outcome (README, "When things go wrong"):
+which checkpoint is resumed, the message the user sees, and that the final
+parameters equal an uninterrupted run wherever a run was resumed.
+"""
+import glob
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dadjax import cli
+from dadjax.checkpoint import FINGERPRINT_EXCLUDED, CheckpointDir, fingerprint, state_digest
+from dadjax.config import Config, load_config
+from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError
+from dadjax.train import train
+
+SMALL = dict(steps=6, eval_every=2, checkpoint_every=2, batch_per_site=8, num_sites=4,
+             backend="vmap", model_kwargs={"hidden": [16]})
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs a training in a child process; "train:N" kills it (SIGKILL) right after
+# step N is logged, "write:N" kills it while checkpoint N is being written
+# (its files are on disk under a temporary name, the final rename not done),
+# "pause:N" holds the run (and its lock) after step N until stdin closes.
+WORKER = r"""
+import json, os, signal, sys
+mode, at = sys.argv[2].split(":")
+at = int(at)
+if mode == "write":
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+  async def killing_finalize(self):
+    if self._final_path.name == str(at):
+      os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self)
+  atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+from dadjax.config import Config
+from dadjax.train import train
+def log(row):
+  if row["step"] == at and mode == "train":
+    os.kill(os.getpid(), signal.SIGKILL)
+  if row["step"] == at and mode == "pause":
+    print("paused", flush=True)
+    sys.stdin.read()
+train(Config(**json.loads(sys.argv[1])), progress=False, log=log)
+"""
+
+
+def _env():
+  return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _worker(config: dict, mode: str, **kw):
+  kw.setdefault("stderr", subprocess.PIPE)
+  return subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(config), mode], env=_env(),
+                          stdout=subprocess.PIPE, text=True, **kw)
+
+
+def _steps(ckpt) -> list[int]:
+  return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """The uninterrupted 6-step run every resumed run must reproduce exactly."""
+  return train(Config(**SMALL), progress=False)
+
+
+def _resume(ckpt, capsys, **changes):
+  run = train(Config(**{**SMALL, **changes}, checkpoint_dir=str(ckpt)), progress=False)
+  return run, capsys.readouterr().err
+
+
+def _first_two_checkpoints(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  train(Config(**{**SMALL, "steps": 4}, checkpoint_dir=str(ckpt)), progress=False)
+  assert _steps(ckpt) == [2, 4]
+  return ckpt
+
+
+# -- killed runs -----------------------------------------------------------------------------
+
+
+def test_sigkill_during_training_resumes_the_newest_checkpoint(tmp_path, reference, capsys):
+  ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+  proc = _worker({**SMALL, "checkpoint_dir": str(ckpt), "out_dir": str(out), "eval_every": 1},
+                 "train:5")
+  proc.communicate(timeout=600)
+  assert proc.returncode == -signal.SIGKILL
+  finalized = _steps(ckpt)
+  assert finalized and max(finalized) in (2, 4)  # step 4's write may have been cut short
+  rows_before = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows_before] == [1, 2, 3, 4, 5]
+  run = train(Config(**{**SMALL, "eval_every": 1}, checkpoint_dir=str(ckpt), out_dir=str(out)),
+              progress=False)
+  err = capsys.readouterr().err
+  assert f"resuming from checkpoint step {max(finalized)} in" in err
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+  # No row twice: rows after the resumed step were cut, then logged again.
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  # Wall time continues from the checkpoint's instead of restarting at 0.
+  assert all(b["wall_s"] > a["wall_s"] for a, b in zip(rows, rows[1:]))
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, reference, capsys):
+  ckpt = tmp_path / "ckpt"
+  proc = _worker({**SMALL, "checkpoint_dir": str(ckpt)}, "write:4")
+  proc.communicate(timeout=600)
+  assert proc.returncode == -signal.SIGKILL
+  assert _steps(ckpt) == [2]
+  assert any("tmp" in p.name for p in ckpt.iterdir())  # the half-written step 4
+  run, err = _resume(ckpt, capsys)
+  assert "resuming from checkpoint step 2 in" in err and "damaged" not in err
+  assert not any("tmp" in p.name for p in ckpt.iterdir())
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+
+
+# -- damaged checkpoints ---------------------------------------------------------------------
+
+
+def _largest_data_file(step_dir) -> str:
+  return max(glob.glob(str(step_dir / "state" / "ocdbt.process_0" / "d" / "*")),
+             key=os.path.getsize)
+
+
+def _truncate(step_dir):
+  path = _largest_data_file(step_dir)
+  os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _flip_bytes(step_dir):
+  path = _largest_data_file(step_dir)
+  data = bytearray(pathlib.Path(path).read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  pathlib.Path(path).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (_truncate, "the state cannot be restored"),
+    (lambda d: os.remove(d / "state" / "_METADATA"), "the state cannot be restored"),
+    (lambda d: os.remove(d / "meta" / "metadata"), "its metadata cannot be read"),
+    (_flip_bytes, "the checksum of ."),
+], ids=["truncated_file", "deleted_metadata", "deleted_record", "flipped_bytes"])
+def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, capsys, damage, reason):
+  ckpt = _first_two_checkpoints(tmp_path)
+  capsys.readouterr()
+  damage(ckpt / "4")
+  run, err = _resume(ckpt, capsys)
+  assert f"checkpoint step 4 in {ckpt} is damaged ({reason}" in err
+  assert "resuming from checkpoint step 2 in" in err and "deleted the damaged step(s) [4]" in err
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  assert _steps(ckpt) == [4, 6]  # step 4 rewritten from the resumed run
+
+
+def test_no_intact_checkpoint_is_an_error_naming_each(tmp_path):
+  ckpt = _first_two_checkpoints(tmp_path)
+  _flip_bytes(ckpt / "4")
+  _truncate(ckpt / "2")
+  with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step 4: the checksum.*"
+                     r"step 2: the state cannot be restored.*restart=True \(--restart\)"):
+    train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False)
+  run = train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False, restart=True)
+  assert run.final["step"] == 6
+
+
+def test_deleted_step_metadata_alone_still_resumes(tmp_path, reference, capsys):
+  # orbax's per-step _CHECKPOINT_METADATA (timestamps) is not needed to restore;
+  # the content checksums pass, so nothing valid is thrown away.
+  ckpt = _first_two_checkpoints(tmp_path)
+  os.remove(ckpt / "4" / "_CHECKPOINT_METADATA")
+  capsys.readouterr()
+  run, err = _resume(ckpt, capsys)
+  assert "resuming from checkpoint step 4 in" in err and "damaged" not in err
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+
+
+# -- non-finite states -----------------------------------------------------------------------
+
+
+def test_nan_step_keeps_the_last_finite_checkpoint(tmp_path, capsys):
+  ckpt = tmp_path / "ckpt"
+  bad = Config(**{**SMALL, "lr": 1e35, "checkpoint_every": 1, "eval_every": 1},
+               checkpoint_dir=str(ckpt))
+  with pytest.raises(DivergenceError, match=r"training diverged: loss is nan at step 2 "
+                     r"\(method='allreduce', lr=1e\+35\); "
+                     r"the last finite checkpoint, step 1, is kept") as info:
+    train(bad, progress=False)
+  assert isinstance(info.value, FloatingPointError)
+  assert _steps(ckpt) == [1]
+  # Rerunning with a sane lr is a different run: refused, naming lr and the two ways out.
+  sane = bad.replace(lr=0.1)
+  with pytest.raises(CheckpointError, match=r"differing fields: lr: 1e\+35 in the checkpoint, "
+                     r"0.1 now. To train this config, use a new checkpoint_dir, or restart=True"):
+    train(sane, progress=False)
+  capsys.readouterr()
+  run = train(sane, progress=False, restart=True)
+  assert "restart: deleted the checkpoints at steps [1]" in capsys.readouterr().err
+  assert run.final["step"] == 6 and np.isfinite(run.final["loss"])
+
+
+def test_the_saved_state_is_checked_not_the_loss(tmp_path, monkeypatch):
+  # Without the loss check, the state after a diverging update reaches the
+  # save: it is refused there, and the finite checkpoint before it is kept.
+  monkeypatch.setattr("dadjax.train._check_finite", lambda *a, **k: None)
+  ckpt = tmp_path / "ckpt"
+  bad = Config(**{**SMALL, "lr": 1e35, "checkpoint_every": 1, "eval_every": 6},
+               checkpoint_dir=str(ckpt))
+  with pytest.raises(DivergenceError, match=r"training diverged: \.params\['\w+'\]\['\w+'\] is not "
+                     r"finite at step 2 .*it was not checkpointed; the last finite checkpoint, "
+                     r"step 1, is kept"):
+    train(bad, progress=False)
+  assert _steps(ckpt) == [1]
+  with CheckpointDir(ckpt, bad) as store:
+    restored = store.restore(_template(bad))
+  assert restored.step == 1 and state_digest(restored.state)[1] == []
+
+
+def _template(config):
+  from dadjax.train import build  # pylint: disable=g-import-not-at-top
+  dataset, _, _, step_fn = build(config)
+  return step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+
+
+# -- misused directories ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,fields", [
+    ({"method": "topk:0.5"}, "method: 'topk:0.1' in the checkpoint, 'topk:0.5' now"),
+    ({"num_sites": 2}, "num_sites: 4 in the checkpoint, 2 now"),
+    ({"model_kwargs": {"hidden": [32]}, "optimizer": "adam"},
+     "model_kwargs: {'hidden': [16]} in the checkpoint, {'hidden': [32]} now; optimizer"),
+])
+def test_config_change_is_refused_naming_the_fields(tmp_path, change, fields):
+  ckpt = tmp_path / "ckpt"
+  first = Config(**{**SMALL, "steps": 2, "method": "topk:0.1"}, checkpoint_dir=str(ckpt))
+  train(first, progress=False)
+  with pytest.raises(CheckpointError) as info:
+    train(first.replace(steps=4, **change), progress=False)
+  message = str(info.value)
+  assert fields in message
+  assert "use a new checkpoint_dir, or restart=True (--restart)" in message
+  assert _steps(ckpt) == [2]  # nothing was touched
+
+
+def test_fields_that_may_change_on_resume(tmp_path, reference):
+  assert {"steps", "eval_every", "checkpoint_every", "out_dir", "backend"} <= FINGERPRINT_EXCLUDED
+  fp = fingerprint(Config(**SMALL))
+  assert {"method", "model", "model_kwargs", "optimizer", "lr", "momentum", "num_sites",
+          "dataset", "dataset_kwargs", "partition", "seed", "batch_per_site", "version"} <= set(fp)
+  ckpt = tmp_path / "ckpt"
+  train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(ckpt)), progress=False)
+  run = train(Config(**{**SMALL, "eval_every": 3, "checkpoint_every": 3},
+                     checkpoint_dir=str(ckpt), out_dir=str(tmp_path)), progress=False)
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+
+
+def test_two_concurrent_runs(tmp_path, reference):
+  ckpt = tmp_path / "ckpt"
+  # stderr to a file: the pipe is not read while the worker runs.
+  log = open(tmp_path / "worker.err", "w")  # pylint: disable=consider-using-with
+  proc = _worker({**SMALL, "checkpoint_dir": str(ckpt)}, "pause:2", stdin=subprocess.PIPE,
+                 stderr=log)
+  try:
+    assert proc.stdout.readline().strip() == "paused"
+    with pytest.raises(CheckpointError,
+                       match=f"checkpoint_dir '{ckpt}' is in use by pid {proc.pid}; "):
+      train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False)
+  finally:
+    proc.stdin.close()
+    proc.wait(timeout=600)
+    log.close()
+  assert proc.returncode == 0 and _steps(ckpt) == [4, 6]  # the first run was not disturbed
+  run = train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False)  # lock released
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+
+
+def test_finished_run_reruns_as_a_no_op(tmp_path, capsys):
+  ckpt = tmp_path / "ckpt"
+  args = ["train", "--no-progress", f"checkpoint_dir={ckpt}", "steps=4", "eval_every=2",
+          "num_sites=4", "backend=vmap", "batch_per_site=8", 'model_kwargs={"hidden": [16]}']
+  assert cli.main(args) == 0
+  final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert final["step"] == 4
+  assert cli.main(args) == 0
+  captured = capsys.readouterr()
+  assert json.loads(captured.out) == final  # only the final metrics, nothing retrained
+  assert "already finished at step 4; nothing to do" in captured.err
+  assert cli.main(args[:-5] + ["steps=2"] + args[-4:]) == 2
+  err = capsys.readouterr().err
+  assert err.strip().splitlines()[-1] == (
+      f"dadjax: error: config.steps=2 is smaller than the step of the checkpoint in "
+      f"checkpoint_dir '{ckpt}' (4); set steps >= 4, or use a new checkpoint_dir or "
+      "restart=True (--restart)")
+  assert cli.main(args[:-5] + ["steps=6"] + args[-4:]) == 0  # more steps: resumes
+  capsys.readouterr()
+  assert cli.main(args + ["--restart"]) == 0  # starts over from step 0
+  captured = capsys.readouterr()
+  assert "restart: deleted the checkpoints at steps [4, 6]" in captured.err
+  assert [json.loads(r)["step"] for r in captured.out.splitlines()] == [2, 4, 4]
+  assert json.loads(captured.out.splitlines()[-1])["loss"] == final["loss"]
+
+
+# -- checksums -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8, jnp.bool_])
+def test_checksum_sees_any_single_element_change(dtype):
+  x = (jnp.arange(300) % 7).astype(dtype)
+  base = state_digest({"x": x})[0]["['x']"]
+  for i in (0, 150, 299):
+    y = x.at[i].set(jnp.logical_not(x[i]) if dtype == jnp.bool_ else x[i] + 1)
+    assert state_digest({"x": y})[0]["['x']"] != base
+  # A permutation changes it too (weights depend on the position).
+  assert state_digest({"x": x[::-1]})[0]["['x']"] != base
+
+
+def test_checksum_is_the_same_for_every_sharding():
+  x = jnp.arange(8 * 5, dtype=jnp.float32).reshape(8, 5)
+  mesh = jax.make_mesh((8,), ("s",))
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("s")))
+  assert state_digest([x]) == state_digest([sharded])
+  assert state_digest([x.at[3, 1].set(jnp.nan)])[1] == ["[0]"]
+
+
+# -- bad input: one line, exit code 2 --------------------------------------------------------
+
+TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_site=4"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "missing.toml"], "config file 'missing.toml' not found"),
+    (["method=topq:0.1"], "config.method: unknown method 'topq:0.1'"),
+    (["lr=inf"], "config.lr must be finite and in (0, inf], got inf"),
+    (["lr=-1"], "config.lr must be finite and in (0, inf], got -1.0"),
+    (["momentum=nan"], "config.momentum must be finite and in [0, 1), got nan"),
+    (["momentum=1"], "config.momentum must be finite and in [0, 1), got 1.0"),
+    (["steps=ten"], "override steps='ten': not a valid int"),
+    (['model_kwargs={"hidden": [0]}'], "config.model_kwargs['hidden'] must hold ints >= 1"),
+    (['model_kwargs={"hiden": [8]}'],
+     "config.model_kwargs has unknown key(s) ['hiden']; valid keys: ['hidden']"),
+    (['model_kwargs={"hidden": [8'], "override model_kwargs="),
+    (['dataset_kwargs={"n_train": 5}'],
+     "config.dataset_kwargs has unknown key(s) ['n_train']; valid keys: ['seed', 'test_fraction']"),
+    (["model=mlpp"], "config.model: unknown model 'mlpp'; valid names: ["),
+    (["dataset=nosuchdataset"], "cannot build the run from the config: Unknown data set name"),
+    (['dataset_kwargs={"test_fraction": 2}'], "cannot build the run from the config: "),
+    (["model=vit", 'model_kwargs={"patch_size": 3}'],
+     "cannot build the run from the config: image 8x8 not divisible by patch_size=3"),
+    (["model=cnn", 'model_kwargs={"features": [4, 4, 4, 4]}'],
+     "model 'cnn' with {'features': [4, 4, 4, 4]} has a layer with no inputs for input shape"),
+    (["partition=random"], "config.partition must be one of ['iid', 'by_class', 'dirichlet']"),
+    (["stepz=3"], "unknown config key(s) ['stepz']; valid keys: ["),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+  assert cli.main(["train", "--no-progress", *TINY, *argv]) == 2
+  captured = capsys.readouterr()
+  lines = captured.err.strip().splitlines()
+  assert lines == [lines[0]] and lines[0].startswith("dadjax: error: ")
+  assert message in lines[0]
+  assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_malformed_toml_names_the_file(tmp_path, capsys):
+  path = tmp_path / "run.toml"
+  path.write_text("steps = = 3\n")
+  assert cli.main(["train", "--config", str(path)]) == 2
+  assert f"dadjax: error: config file '{path}' is not valid TOML: " in capsys.readouterr().err
+  path.write_text('steps = "ten"\n')
+  with pytest.raises(ConfigError, match=r"config.steps must be int, got 'ten'"):
+    load_config(path)
+  path.write_text("learning_rate = 0.1\n")
+  with pytest.raises(ConfigError, match=f"config file '{path}': unknown config key"):
+    load_config(path)
+
+
+def test_debug_shows_the_traceback(capsys):
+  assert cli.main(["--debug", "train", "lr=inf"]) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" in err and "ConfigError" in err and "dadjax: error: config.lr" in err
+  assert cli.main(["train", "--debug", "lr=inf"]) == 2
+  assert "Traceback" in capsys.readouterr().err
+
+
+def test_errors_are_value_errors():
+  assert issubclass(DadjaxError, ValueError)
+  assert issubclass(ConfigError, DadjaxError) and issubclass(CheckpointError, DadjaxError)
+  with pytest.raises(ValueError, match="config.lr"):
+    Config(lr=float("nan"))
+
+
+def test_cli_simulates_enough_devices_for_the_config(tmp_path):
+  env = {k: v for k, v in _env().items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "-m", "dadjax.cli", "train", "--no-progress", "num_sites=12",
+       "backend=shard_map", "steps=1", "eval_every=1", "batch_per_site=2",
+       'model_kwargs={"hidden": [8]}'], env=env, capture_output=True, text=True, timeout=600,
+      cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 1
+
+
+def test_directory_without_dadjax_records_or_unusable(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  foreign = tmp_path / "foreign"
+  with ocp.CheckpointManager(foreign, options=ocp.CheckpointManagerOptions(create=True)) as m:
+    m.save(2, args=ocp.args.StandardSave({"a": jnp.ones(3)}))
+  with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step 2: it has no dadjax "
+                     r"record \(an older format, or not written by dadjax\)"):
+    train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(foreign)), progress=False)
+  (tmp_path / "file").write_text("")
+  with pytest.raises(CheckpointError, match=f"checkpoint_dir '{tmp_path / 'file'}' cannot be used"):
+    train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(tmp_path / "file")), progress=False)
