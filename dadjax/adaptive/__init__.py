@@ -26,3 +26,23 @@ from dadjax.adaptive._detector import (
     norm_bits,
 )
 from dadjax.adaptive._plot import decision_matrix, plot_decisions
+
+__all__ = [
+    "accordion",
+    "AccordionState",
+    "accordion_batch",
+    "AccordionBatchState",
+    "accordion_row",
+    "batch_row",
+    "find_accordion_state",
+    "tensor_names",
+    "DetectorState",
+    "detector_init",
+    "detector_update",
+    "detector_lr_decrease",
+    "is_critical",
+    "lr_decreased",
+    "norm_bits",
+    "decision_matrix",
+    "plot_decisions",
+]
