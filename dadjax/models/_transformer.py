@@ -109,6 +109,11 @@ class Transformer(nn.Module):
   dense: Callable[..., nn.Module] = nn.Dense
   dropout: float = 0.0
 
+  def __post_init__(self):
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     if self.vocab_size is not None:
