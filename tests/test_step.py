@@ -243,8 +243,11 @@ def test_bad_step_arguments():
   with pytest.raises(ValueError, match="batch_stage"):
     dadjax.make_train_step(model, tx, batch_stage=lambda b: b, backend="vmap", num_sites=2)
   step = dadjax.make_train_step(model, tx, backend="vmap", num_sites=2)
-  with pytest.raises(ValueError, match="same number of rows"):
-    step.check_batch({"x": np.zeros((4, 3)), "y": np.zeros((6,))})
+  step.check_batch({"x": np.zeros((4, 3)), "y": np.zeros((6,))})  # each leaf splits in 2
+  with pytest.raises(ValueError, match="does not divide"):
+    step.check_batch({"x": np.zeros((4, 3)), "y": np.zeros(())})
+  with pytest.raises(ValueError, match="no arrays"):
+    step.check_batch({})
   with pytest.raises(ValueError, match="mutable"):
     dadjax.make_train_step(model, tx, mutable=("cache",), average=(), backend="vmap",
                            num_sites=2).init(jax.random.key(0), np.zeros((2, 64), np.float32))
@@ -361,3 +364,18 @@ def test_keep_unused_state_per_stacked_layer():
   np.testing.assert_array_equal(out["l"]["uses"], [1.0, 1.0])
   np.testing.assert_array_equal(out["l"]["basis"][0], 1.0)
   np.testing.assert_array_equal(out["l"]["basis"][1], 5.0)
+
+
+def test_default_losses_honour_row_weights():
+  x, y = _images(6)
+  model = models.MLP(hidden=(8,))
+  params = model.init(jax.random.key(0), x)["params"]
+  w = np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0], np.float32)
+  loss, aux = classification_loss(model)(params, {}, {"x": x, "y": y, "weight": w},
+                                         jax.random.key(1), True)
+  rows = optax.softmax_cross_entropy_with_integer_labels(aux["logits"], y)
+  np.testing.assert_allclose(loss, np.mean(w * rows), rtol=1e-6)  # / rows, not / sum(w)
+  assert set(aux) == {"logits", "model_state"}
+  metrics = dadjax.parallel.default_metrics({"logits": aux["logits"]}, {"y": y, "weight": w})
+  hit = (np.argmax(aux["logits"], -1) == y).astype(np.float32)
+  np.testing.assert_allclose(metrics["accuracy"], np.sum(w * hit) / np.sum(w), rtol=1e-6)
