@@ -41,12 +41,16 @@ class StageContext(NamedTuple):
   """What the step gives a batch stage.
 
   Attributes:
-    grad_fn: ``(params, batch) -> GradResult`` with the step's loss, model
-      state, rng and ``train=True`` bound. A batch is a dict; an optional
-      ``"weight"`` entry (rows,) weights each row's loss (the default losses
-      honour it: weighted mean).
-    loss_fn: ``(params, batch) -> (loss, aux)``, the same binding without a
-      gradient (e.g. for per-sample importance scores).
+    grad_fn: ``(params, batch, rng=None) -> GradResult`` with the step's
+      loss, model state, rng and ``train=True`` bound. ``rng`` replaces the
+      site's model key of this step (pass a key derived from ``shared_key``
+      where every site must compute the same gradient, e.g. on gathered rows
+      of a model with dropout). A batch is a dict; an optional ``"weight"``
+      entry (rows,) weights each row's loss (the default losses honour it:
+      ``mean(weight * row_loss)`` over the rows, so ``1/p`` importance weights
+      stay unbiased and weight 0 drops a row).
+    loss_fn: ``(params, batch, rng=None) -> (loss, aux)``, the same binding
+      without a gradient (e.g. for per-sample importance scores).
     axis_name: the sites' axis (``None``: one site).
     key: this site's key for the stage in this step (already folded with
       the step and the site index).

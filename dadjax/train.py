@@ -9,6 +9,7 @@ position and a resumed run continues exactly where it stopped.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import pathlib
 import sys
@@ -27,7 +28,7 @@ from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, validate
 from dadjax.errors import CheckpointError, ConfigError, DivergenceError
 from dadjax.methods import build_method
-from dadjax.parallel import TrainState, TrainStep, make_train_step, unstack_site
+from dadjax.parallel import TrainState, TrainStep, make_train_step
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class Run:
   step_fn: TrainStep
   history: list[dict]
   dataset: Any
+  steps_per_epoch: int = 1
 
   @property
   def final(self) -> dict:
@@ -56,22 +58,43 @@ def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> opt
   return optax.chain(comm_tx, local)
 
 
-def evaluate(apply: Callable, state: TrainState, x: np.ndarray, y: np.ndarray,
-             batch_size: int = 512) -> float:
-  """Test accuracy of site 0's model (every site holds the same parameters).
+def evaluate(step_fn: TrainStep, state: TrainState, x: np.ndarray, y: np.ndarray,
+             batch_size: int = 512) -> dict:
+  """Metrics of site 0's model on ``(x, y)`` in evaluation mode (``train=False``).
 
-  ``apply`` is the (jitted) ``model.apply``.
+  Runs the step's loss and metrics functions (:meth:`TrainStep.evaluate`)
+  over batches of ``batch_size`` rows: no dropout, BatchNorm with its
+  running averages. Every site holds the same parameters (and, with the
+  default ``average``, the same running averages).
+
+  Returns:
+    ``{"loss": ..., "accuracy": ..., ...}``: the row-weighted mean of each
+    metric over the whole set (host floats).
   """
-  variables = {"params": unstack_site(state.params), **unstack_site(state.model_state)}
-  correct = 0
+  totals: dict[str, float] = {}
   for i in range(0, len(x), batch_size):
-    logits = apply(variables, x[i:i + batch_size])
-    correct += int(np.sum(np.argmax(np.asarray(logits), -1) == y[i:i + batch_size]))
-  return correct / max(1, len(x))
+    rows = len(x[i:i + batch_size])
+    metrics = step_fn.evaluate(state, {"x": x[i:i + batch_size], "y": y[i:i + batch_size]})
+    for k, v in metrics.items():
+      totals[k] = totals.get(k, 0.0) + v * rows
+  return {k: v / max(1, len(x)) for k, v in totals.items()}
+
+
+def _build_method(config: Config, steps_per_epoch: int):
+  """The method of ``config``; ``steps_per_epoch`` goes to builders that take it (Accordion)."""
+  kwargs = {"axis_name": "data", "seed": config.seed}
+  if "steps_per_epoch" in inspect.signature(build_method).parameters:
+    kwargs["steps_per_epoch"] = steps_per_epoch
+  return build_method(config.method, **kwargs)
 
 
 def build(config: Config):
-  """Data, batcher, model and step for ``config`` (no training)."""
+  """Data, batcher, model and step for ``config`` (no training).
+
+  The method's batch stage (data-side methods), if any, goes into the step.
+  ``batcher.steps_per_epoch`` (``max(1, examples // global batch)``) is the
+  epoch length the loop hands to methods that work in epochs.
+  """
   dataset_kwargs = dict(config.dataset_kwargs)
   if config.data_dir:
     dataset_kwargs["data_dir"] = config.data_dir
@@ -80,7 +103,7 @@ def build(config: Config):
                              alpha=config.alpha, seed=config.seed)
   batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
                                  seed=config.seed)
-  method = build_method(config.method, axis_name="data", seed=config.seed)
+  method = _build_method(config, batcher.steps_per_epoch)
   # Flax modules must be hashable: JSON/TOML lists become tuples.
   model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.model_kwargs.items()}
   if config.model in ("gru", "transformer") and dataset.vocab_size and np.issubdtype(
@@ -88,8 +111,10 @@ def build(config: Config):
     model_kwargs.setdefault("vocab_size", dataset.vocab_size)
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
   model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
-  step_fn = make_train_step(model, make_optimizer(config, method.tx), num_sites=config.num_sites,
-                            backend=config.backend)
+  comm_tx = method.tx if method.tx is not None else optax.identity()
+  step_fn = make_train_step(model, make_optimizer(config, comm_tx), num_sites=config.num_sites,
+                            backend=config.backend,
+                            batch_stage=getattr(method, "batch_stage", None))
   return dataset, parts, batcher, step_fn
 
 
@@ -137,7 +162,6 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
     print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
           "nothing to do", file=sys.stderr, flush=True)
     return Run(config, state, step_fn, [last_row] if last_row else [], dataset)
-  apply = jax.jit(step_fn.model.apply)
   network = NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology)
   start = int(host_array(state.step)[0])
   out_file = None
@@ -161,11 +185,11 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
       if log_now or save_now:  # the only host syncs of the loop
         _check_finite(metrics, done, config, store)
       if log_now:
-        row = _log_row(config, apply, state, metrics, dataset, network, done,
-                       wall0 + time.perf_counter() - t0)
+        row = _log_row(config, step_fn, state, metrics, dataset, network, done,
+                       wall0 + time.perf_counter() - t0, batcher.steps_per_epoch)
         history.append(row)
         last_row = row
-        bar.set_postfix(loss=f"{row['loss']:.3f}", test_acc=f"{row['test_accuracy']:.3f}")
+        bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
         if out_file:
           out_file.write(json.dumps(row) + "\n")
           out_file.flush()
@@ -178,7 +202,7 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
       store.close()
     if out_file:
       out_file.close()
-  return Run(config, state, step_fn, history, dataset)
+  return Run(config, state, step_fn, history, dataset, batcher.steps_per_epoch)
 
 
 def _resume(config: Config, state, restart: bool):
@@ -217,16 +241,28 @@ def _check_finite(metrics, step: int, config: Config, store) -> None:
            else "no checkpoint was written"))
 
 
-def _log_row(config, apply, state, metrics, dataset, network, step, seconds) -> dict:
-  summary = comm_stats(state.opt_state)
+def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
+             steps_per_epoch) -> dict:
+  """One metrics row.
+
+  Bits come from every ledger of the train state: the optimizer's and the
+  step's own (batch stage, averaged collections, the metrics' ``pmean``).
+  ``train_<name>`` are the step's site-averaged metrics of the last step,
+  ``test_<name>`` the evaluation-mode metrics on the test set.
+  """
+  summary = comm_stats(state)
   step_time = network.step_time(summary)
-  return {
+  train_metrics = {k: float(host_array(v)[0]) for k, v in metrics.items()}
+  test_metrics = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
+  row = {
       "step": step,
+      "epoch": step / steps_per_epoch,
       "method": config.method,
-      "loss": float(host_array(metrics["loss"])[0]),
-      "train_accuracy": float(host_array(metrics["accuracy"])[0]),
-      "test_accuracy": evaluate(apply, state, dataset.x_test, dataset.y_test),
+      "loss": train_metrics.pop("loss"),
+      **{f"train_{k}": v for k, v in train_metrics.items()},
+      **{f"test_{k}": v for k, v in test_metrics.items()},
       "bits_per_step": summary.bits_per_step,
+      "step_bits_per_step": comm_stats(state.comm).bits_per_step,
       "dense_bits_per_step": summary.dense_bits_per_step,
       "total_bits": summary.total,
       "compression_ratio": summary.compression_ratio,
@@ -234,3 +270,4 @@ def _log_row(config, apply, state, metrics, dataset, network, step, seconds) -> 
       "modeled_comm_s": step_time * summary.updates,
       "wall_s": seconds,
   }
+  return row

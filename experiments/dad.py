@@ -129,7 +129,6 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
                          backend=cfg.backend)
   state = step.init(jax.random.key(cfg.seed), dataset.x_train[:cfg.batch_per_site])
   probe = None if pooled else _probe(model, base_model, method.tx)
-  apply = jax.jit(base_model.apply)
   # Bandwidth term only: at these tiny sizes latency would dominate, and it
   # depends on how many collectives XLA fuses, which the ledger cannot see.
   network = NetworkModel(1e9, 0.0, cfg.num_sites, "ring")
@@ -149,7 +148,7 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
         ranks.append(float(np.mean([np.mean(v) for v in found.values()])))
       history.append({
           "step": t + 1,
-          "test_accuracy": evaluate(apply, state, dataset.x_test, dataset.y_test),
+          "test_accuracy": evaluate(step, state, dataset.x_test, dataset.y_test)["accuracy"],
           "total_bits": 0 if pooled else comm_stats(state.opt_state).total,
       })
   summary = None if pooled else comm_stats(state.opt_state)

@@ -236,3 +236,23 @@ def test_get_model():
   assert get_model("transformer", 3, dense=TaggedDense).dense is TaggedDense
   with pytest.raises(ValueError, match="valid names"):
     get_model("nope", 3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda rate: MLP(hidden=(32,), num_classes=NC, dropout=rate),
+    lambda rate: Transformer(d_model=8, num_heads=2, mlp_dim=16, num_classes=NC, dropout=rate),
+])
+def test_dropout_only_in_training(make):
+  x = _normal(0, (B, 6, 8))
+  model, plain = make(0.5), make(0.0)
+  v = model.init(_key(1), x)
+  assert jax.tree.structure(v) == jax.tree.structure(plain.init(_key(1), x))
+  evals = [model.apply(v, x) for _ in range(2)]
+  np.testing.assert_array_equal(evals[0], evals[1])
+  np.testing.assert_allclose(evals[0], plain.apply(v, x), rtol=1e-6)
+  a = model.apply(v, x, train=True, rngs={"dropout": _key(2)})
+  b = model.apply(v, x, train=True, rngs={"dropout": _key(3)})
+  assert np.abs(np.asarray(a) - np.asarray(evals[0])).max() > 1e-4
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+  with pytest.raises(ValueError, match="dropout"):
+    make(1.0)

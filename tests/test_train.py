@@ -34,14 +34,31 @@ def test_metrics_jsonl_is_written(tmp_path):
   assert [r["step"] for r in rows] == [3, 6]
   import jax
   n_params = sum(np.size(p) for p in jax.tree.leaves(run.params))
-  assert rows[-1]["bits_per_step"] == 32 * n_params
-  assert rows[-1]["total_bits"] == 6 * 32 * n_params
+  metric_bits = 2 * 32  # the step's pmean of loss and accuracy, booked in state.comm
+  assert rows[-1]["bits_per_step"] == 32 * n_params + metric_bits
+  assert rows[-1]["step_bits_per_step"] == metric_bits
+  assert rows[-1]["total_bits"] == 6 * (32 * n_params + metric_bits)
+  assert rows[-1]["epoch"] == 6 / run.steps_per_epoch
+  assert {"train_accuracy", "test_accuracy", "test_loss"} <= set(rows[-1])
   assert rows[-1]["modeled_comm_s"] > 0
 
 
 def test_training_learns_the_embedded_digits():
   run = train(Config(steps=150, eval_every=150, backend="vmap"), progress=False)
   assert run.final["test_accuracy"] > 0.85
+
+
+def test_batchnorm_and_dropout_models_train_from_a_config():
+  import jax
+  bn = train(Config(**{**SMALL, "model": "resnet",
+                       "model_kwargs": {"stage_sizes": [1], "width": 4, "norm": "batch"}}),
+             progress=False)
+  stats = bn.state.model_state["batch_stats"]
+  stats_bits = 32 * sum(np.size(v[0]) for v in jax.tree.leaves(jax.device_get(stats)))
+  assert bn.final["step_bits_per_step"] == 2 * 32 + stats_bits  # metrics + averaged stats
+  assert 0.0 <= bn.final["test_accuracy"] <= 1.0 and np.isfinite(bn.final["test_loss"])
+  drop = train(Config(**{**SMALL, "model_kwargs": {"hidden": [16], "dropout": 0.3}}), progress=False)
+  assert np.isfinite(drop.final["loss"])
 
 
 def test_config_file_and_overrides(tmp_path):

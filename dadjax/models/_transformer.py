@@ -17,13 +17,16 @@ class TransformerBlock(nn.Module):
   ``value``, ``out`` (biases as in PyTorch ``nn.MultiheadAttention``),
   softmax over keys with ``1/sqrt(head_dim)`` scaling, no mask. The MLP is
   ``dense(mlp_dim) -> gelu -> dense(d_model)`` (``mlp_in``, ``mlp_out``).
-  No dropout.
+  With ``dropout > 0`` (and ``train=True``), dropout is applied to the
+  output of the attention projection and of the MLP before each residual
+  add (``"dropout"`` rng stream).
 
   Attributes:
     d_model: model width (default 64); must be divisible by ``num_heads``.
     num_heads: attention heads (default 4).
     mlp_dim: MLP hidden width (default 128).
     dense: factory for every dense layer (default ``nn.Dense``).
+    dropout: residual dropout rate in ``[0, 1)`` (default 0).
 
   Reference: Vaswani et al., "Attention Is All You Need", NeurIPS 2017;
   pre-LN: Xiong et al., "On Layer Normalization in the Transformer
@@ -34,10 +37,17 @@ class TransformerBlock(nn.Module):
   num_heads: int = 4
   mlp_dim: int = 128
   dense: Callable[..., nn.Module] = nn.Dense
+  dropout: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    del train
+    drop = (lambda y: nn.Dropout(self.dropout, deterministic=not train)(y)) if self.dropout else (
+        lambda y: y)
     b, t, d = x.shape
     h = self.num_heads
     if d != self.d_model or d % h:
@@ -51,11 +61,11 @@ class TransformerBlock(nn.Module):
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * dh**-0.5, k)
     attn = jax.nn.softmax(logits, axis=-1)
     y = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
-    x = x + self.dense(d, use_bias=True, name="out")(y)
+    x = x + drop(self.dense(d, use_bias=True, name="out")(y))
 
     y = nn.LayerNorm(name="ln_mlp")(x)
     y = nn.gelu(self.dense(self.mlp_dim, use_bias=True, name="mlp_in")(y))
-    return x + self.dense(d, use_bias=True, name="mlp_out")(y)
+    return x + drop(self.dense(d, use_bias=True, name="mlp_out")(y))
 
 
 class Transformer(nn.Module):
@@ -82,6 +92,7 @@ class Transformer(nn.Module):
     patch_size: ViT patch size (default ``None``).
     max_len: maximum number of tokens / patches (default 512).
     dense: factory for every dense layer (default ``nn.Dense``).
+    dropout: residual dropout rate of every block (default 0).
 
   Reference: Vaswani et al., NeurIPS 2017; Dosovitskiy et al., "An Image is
   Worth 16x16 Words", ICLR 2021.
@@ -96,6 +107,12 @@ class Transformer(nn.Module):
   patch_size: Optional[int] = None
   max_len: int = 512
   dense: Callable[..., nn.Module] = nn.Dense
+  dropout: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -120,7 +137,7 @@ class Transformer(nn.Module):
 
     for i in range(self.num_layers):
       x = TransformerBlock(
-        self.d_model, self.num_heads, self.mlp_dim, self.dense, name=f"block_{i}"
+        self.d_model, self.num_heads, self.mlp_dim, self.dense, self.dropout, name=f"block_{i}"
       )(x, train)
     x = nn.LayerNorm(name="ln_final")(jnp.mean(x, axis=1))
     return self.dense(self.num_classes, use_bias=True, name="head")(x)

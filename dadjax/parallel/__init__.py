@@ -1,5 +1,15 @@
-"""Meshes, multi-host start-up and the SPMD train step."""
+"""Meshes, multi-host start-up, the SPMD train step and its loss functions."""
 
+from dadjax.parallel._losses import (
+    MODEL_STATE,
+    classification_loss,
+    cross_entropy_rows,
+    default_metrics,
+    model_loss,
+    regression_loss,
+    squared_error_rows,
+    stream_key,
+)
 from dadjax.parallel._mesh import initialize, make_mesh
 from dadjax.parallel._step import (
     BACKENDS,
@@ -8,8 +18,11 @@ from dadjax.parallel._step import (
     STATE_COLLECTION,
     TrainState,
     TrainStep,
+    grad_result,
+    keep_unused_state,
     local_gradients,
     make_train_step,
+    site_keys,
     softmax_cross_entropy,
     stack_sites,
     unstack_site,

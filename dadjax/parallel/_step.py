@@ -1,9 +1,9 @@
 """One SPMD training step for every method and every backend.
 
 The step is written once, as the program of a single site: compute the
-local gradient, hand it to the optax transformation (which performs the
-collective over ``axis_name``), apply the update. Three backends run that
-site program:
+local gradient (or let a batch stage compute it), hand it to the optax
+transformation (which performs the collective over ``axis_name``), apply the
+update. Three backends run that site program:
 
 * ``"shard_map"``: ``jax.shard_map`` over a mesh (one or many hosts),
 * ``"pmap"``: ``jax.pmap`` over local devices,
@@ -16,22 +16,61 @@ of size ``num_sites`` (the layout ``pmap`` uses). Parameters are replicated,
 one identical copy per site; optimizer state may differ per site (error
 feedback memories, local accumulators), and needs no special case. Under
 ``shard_map`` the site axis is sharded over the mesh, so each device holds
-exactly its own site's copy. The batch is global, site-major: rows
-``[i * b, (i + 1) * b)`` belong to site ``i``.
+exactly its own site's copy. The batch is global, site-major: every leaf of
+the batch pytree has a leading row axis and rows ``[i * b, (i + 1) * b)``
+belong to site ``i``.
 
-Models that communicate inside their own backward pass (dAD layers) report
-the bits they sent by sowing :class:`~dadjax.comm.Bits` into the
-``"comm"`` collection; the step forwards that collection to the optimizer
-as the ``model_comm`` extra argument so it lands in the same ledger. Variables in
-the ``"dad_state"`` collection are differentiated and *overwritten* with
-their gradient (the pattern Flax uses for fp8 scales), which is how a layer
-keeps state (warm starts, error feedback) across steps.
+Loss: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)`` (see
+:mod:`dadjax.parallel._losses`); the default is
+:func:`~dadjax.parallel.classification_loss` of the model.
+
+Model state (the non-parameter collections, ``TrainState.model_state``):
+
+* ``"dad_state"``: differentiated and *overwritten* with its gradient (the
+  pattern Flax uses for fp8 scales), which is how a dAD layer keeps state
+  (warm starts, error feedback) across steps. A layer state with a
+  ``"uses"`` entry that comes back 0 received no cotangent this step (an
+  unused head, a branch not taken): it keeps its previous value.
+* ``mutable`` collections (default ``("batch_stats",)``): replaced by what
+  the loss function's ``aux["model_state"]`` returns in training. Those
+  named in ``average`` (default ``("batch_stats",)``) are then averaged over
+  the sites with one metered ``pmean`` per step, so every site holds the
+  same running statistics; the others stay per site. BatchNorm normalizes
+  with the site's own batch statistics in training (as data-parallel
+  training without SyncBatchNorm does) and with the running averages in
+  evaluation. With ``average=()`` each site keeps its own running averages
+  and evaluation reads site 0's.
+* every other collection is read-only.
+
+Random numbers: ``TrainState.rng`` holds a base key (raw ``uint32`` key
+data, replicated) derived at :meth:`TrainStep.init` as
+``fold_in(init_key, tag("base"))``. At step ``t`` site ``s`` gets the model
+key ``fold_in(fold_in(fold_in(base, tag("model")), t), s)``; the default loss
+turns it into one key per rng stream (``"dropout"``) with
+:func:`~dadjax.parallel.stream_key`. A batch stage gets the shared key
+``fold_in(fold_in(base, tag("stage")), t)`` and the site key
+``fold_in(fold_in(shared, tag("site")), s)``. ``tag(name)`` is
+``crc32("dadjax.step/" + name) mod 2**31``. Keys depend only on the base key
+(checkpointed with the state), the step and the site, so a resumed run draws
+exactly the keys of an uninterrupted one, and every site draws different
+dropout masks.
+
+Ledger: models that communicate inside their own backward pass (dAD layers)
+sow :class:`~dadjax.comm.Bits` into the ``"comm"`` collection; the step
+forwards them to the optimizer as the ``model_comm`` extra argument, so they
+land in the optimizer's ledger. Communication the step itself does outside
+the optimizer (a batch stage's collectives, the ``pmean`` of averaged
+collections and of the metrics) is booked in ``TrainState.comm``, a
+:class:`~dadjax.comm.CommStats` the step owns. ``dadjax.comm_stats(state)``
+on the whole train state sums both; ``comm_stats(state.opt_state)`` still
+reads the optimizer's part alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+import zlib
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,26 +78,63 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax.comm import host_array, mean_over_sites
+from dadjax.comm import (
+    CommStats,
+    NO_TRAFFIC,
+    host_array,
+    ledger_init,
+    ledger_record,
+    metered_pmean,
+    site_index,
+    traffic_add,
+)
+from dadjax.parallel._losses import (
+    COMM_COLLECTION,
+    _accepts_train,
+    MODEL_STATE,
+    STATE_COLLECTION,
+    LossFn,
+    MetricsFn,
+    classification_loss,
+    default_metrics,
+    softmax_cross_entropy,
+)
 from dadjax.parallel._mesh import make_mesh
+from dadjax.stage import BatchStage, GradResult, StageContext
 
-COMM_COLLECTION = "comm"
-STATE_COLLECTION = "dad_state"
 BACKENDS = ("shard_map", "pmap", "vmap")
+_RESERVED = ("params", COMM_COLLECTION, STATE_COLLECTION)
+
+
+def _tag(name: str) -> int:
+  """Domain-separation constant of one key purpose: ``crc32("dadjax.step/" + name) mod 2**31``."""
+  return zlib.crc32(f"dadjax.step/{name}".encode()) & 0x7FFFFFFF
+
+
+TAG_BASE, TAG_MODEL, TAG_STAGE, TAG_SITE = (_tag(n) for n in ("base", "model", "stage", "site"))
 
 
 class TrainState(NamedTuple):
-  """Training state, every leaf stacked along a leading site axis."""
+  """Training state, every leaf stacked along a leading site axis.
+
+  Attributes:
+    step: int32 step counter (the data position).
+    params: the ``"params"`` collection.
+    opt_state: the optax state (with its ledgers).
+    model_state: the other collections, e.g. ``{"dad_state": ..., "batch_stats": ...}``.
+    rng: the base key's raw ``uint32`` data (module docstring: how keys are derived).
+    comm: the step's own :class:`~dadjax.comm.CommStats` (communication
+      outside the optimizer).
+    stage_state: the batch stage's state (``None`` without a stage).
+  """
 
   step: jax.Array
   params: Any
   opt_state: Any
-  model_state: Any  # non-parameter collections, e.g. {"dad_state": ...}
-
-
-def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean cross-entropy of integer ``labels`` (batch,) under ``logits`` (batch, classes)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  model_state: Any
+  rng: Any = None
+  comm: CommStats | None = None
+  stage_state: Any = None
 
 
 def stack_sites(tree: Any, num_sites: int) -> Any:
@@ -71,32 +147,84 @@ def unstack_site(tree: Any, site: int = 0) -> Any:
   return jax.tree.map(lambda x: host_array(x)[site], tree)
 
 
+def _is_typed_key(key) -> bool:
+  return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(key) -> np.ndarray:
+  """Raw ``uint32`` data of a typed or raw key (what the state stores and checkpoints)."""
+  return np.asarray(jax.random.key_data(key if _is_typed_key(key) else jax.random.wrap_key_data(key)))
+
+
+def site_keys(base, step, site) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The keys of one site and step: ``(model, stage_shared, stage_site)``.
+
+  Args:
+    base: the base key (typed key or raw ``uint32`` data, ``TrainState.rng``
+      of one site).
+    step: the step counter.
+    site: the site index.
+
+  Returns:
+    The model key (per site), the stage's shared key and the stage's site key.
+  """
+  if not _is_typed_key(base):
+    base = jax.random.wrap_key_data(base)
+  model = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, TAG_MODEL), step), site)
+  shared = jax.random.fold_in(jax.random.fold_in(base, TAG_STAGE), step)
+  return model, shared, jax.random.fold_in(jax.random.fold_in(shared, TAG_SITE), site)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """A compiled SPMD training step and the placement that goes with it.
 
   Build it with :func:`make_train_step`. ``init`` makes a placed
   :class:`TrainState`; calling the object runs one step on a global batch
-  ``{"x": (num_sites * b, ...), "y": (num_sites * b,)}`` and returns
-  ``(state, metrics)`` with metrics averaged over sites.
+  (a pytree whose leaves have ``num_sites * b`` rows, e.g.
+  ``{"x": (num_sites * b, ...), "y": (num_sites * b,)}``) and returns
+  ``(state, metrics)`` with metrics averaged over sites (``"loss"`` plus
+  what the metrics function returns).
   """
 
   model: Any
   tx: optax.GradientTransformation
-  loss: Callable[[jax.Array, jax.Array], jax.Array]
+  loss_fn: LossFn
+  metrics_fn: MetricsFn
   num_sites: int
   axis_name: str
   backend: str
   mesh: Any
+  mutable: tuple[str, ...]
+  average: tuple[str, ...]
+  batch_stage: BatchStage | None
   _run: Callable
+  _eval: Callable
 
-  def init(self, key: jax.Array, sample_x: Any) -> TrainState:
-    """Initialize parameters from ``key`` and replicate them over the sites."""
-    variables = self.model.init(key, sample_x)
-    variables = dict(variables)
+  def init(self, key: jax.Array, sample_x: Any, **init_kwargs) -> TrainState:
+    """Initialize parameters from ``key`` and replicate them over the sites.
+
+    Args:
+      key: a JAX key; it initializes the model (``model.init(key, sample_x,
+        **init_kwargs)``) and, folded with a tag, gives the base key of the
+        step's rngs.
+      sample_x: a sample input of the model (one site's rows).
+      **init_kwargs: extra arguments of ``model.init``.
+
+    Returns:
+      The placed, site-stacked :class:`TrainState`.
+    """
+    variables = dict(self.model.init(key, sample_x, **init_kwargs))
     params = variables.pop("params")
     variables.pop(COMM_COLLECTION, None)
-    state = TrainState(np.zeros((), np.int32), params, self.tx.init(params), variables)
+    missing = [c for c in self.mutable if c not in variables and c != "batch_stats"]
+    if missing:
+      raise ValueError(f"mutable: the model has no collection(s) {missing} after init; "
+                       f"it has {sorted(variables)}")
+    base = _key_data(jax.random.fold_in(key, TAG_BASE))
+    stage_state = self.batch_stage.init(params) if self.batch_stage is not None else None
+    state = TrainState(np.zeros((), np.int32), params, self.tx.init(params), variables, base,
+                       ledger_init(), stage_state)
     return self.place(stack_sites(state, self.num_sites))
 
   def place(self, tree: Any) -> Any:
@@ -109,8 +237,15 @@ class TrainStep:
     return jax.tree.map(jnp.asarray, tree)  # pmap shards its inputs itself
 
   def check_batch(self, batch: Any) -> None:
-    """Raise a clear error if the global batch does not split over the sites."""
-    for leaf in jax.tree.leaves(batch):
+    """Raise a clear error if the global batch does not split over the sites.
+
+    Every leaf is split along its leading axis into ``num_sites`` equal
+    site-major blocks, so each needs a positive multiple of ``num_sites`` rows.
+    """
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+      raise ValueError("batch: the batch pytree has no arrays")
+    for leaf in leaves:
       rows = np.shape(leaf)[0] if np.ndim(leaf) else None
       if rows is None or rows % self.num_sites or rows == 0:
         raise ValueError(
@@ -139,6 +274,17 @@ class TrainStep:
     """One site's parameters as host arrays (all sites hold the same)."""
     return unstack_site(state.params, site)
 
+  def evaluate(self, state: TrainState, batch: Any, site: int = 0) -> dict:
+    """Loss and metrics of one site's model on ``batch`` with ``train=False``.
+
+    No communication: the site's parameters and model state (BatchNorm
+    running averages) are applied to the whole ``batch`` on one device.
+    Returns a dict of host floats (``"loss"`` plus the metrics function's).
+    """
+    out = self._eval(unstack_site(state.params, site), unstack_site(state.model_state, site),
+                     batch)
+    return {k: float(v) for k, v in out.items()}
+
 
 class LocalGradients(NamedTuple):
   """One site's backward pass, before the optimizer sees it."""
@@ -150,54 +296,155 @@ class LocalGradients(NamedTuple):
   extra_args: dict  # optax extra arguments: {"model_comm": sown bits} when a layer communicated
 
 
-def local_gradients(model, loss, params, model_state, batch) -> LocalGradients:
-  """Loss, logits and gradients of one site's rows, as the train step computes them.
+def _bcast(mask, like):
+  return jnp.reshape(mask, jnp.shape(mask) + (1,) * (jnp.ndim(like) - jnp.ndim(mask)))
 
-  Layers that communicate in their backward pass (dAD) have already done so
-  when this returns; their sown bits come back in ``extra_args`` for
-  ``tx.update(..., **extra_args)``, and their ``"dad_state"`` variables are
-  replaced by their gradient (the new state).
+
+def keep_unused_state(new: Any, old: Any) -> Any:
+  """New ``"dad_state"``, with the old value wherever a layer got no cotangent.
+
+  A layer state is a mapping with a ``"uses"`` entry; its new value (the
+  cotangent) has ``uses == 0`` exactly when the layer was not on the path
+  of the loss this step, and then the whole layer state keeps ``old``.
+  ``uses`` may carry leading axes (layers stacked by ``nn.scan``); the
+  choice is made per entry of those axes.
   """
-  x, y = batch["x"], batch["y"]
-  overwrite = {k: v for k, v in model_state.items() if k == STATE_COLLECTION}
+  if isinstance(new, Mapping):
+    if "uses" in new and not isinstance(new["uses"], Mapping):
+      ran = new["uses"] > 0
+      return {k: jnp.where(_bcast(ran, v), v, old[k]) for k, v in new.items()}
+    return {k: keep_unused_state(v, old[k]) for k, v in new.items()}
+  return new
+
+
+def grad_result(loss_fn: LossFn, mutable: Sequence[str], params, model_state, batch, rng,
+                train: bool = True) -> GradResult:
+  """One backward pass as the train step computes it.
+
+  Differentiates ``loss_fn`` with respect to ``params`` and the
+  ``"dad_state"`` collection. Layers that communicate in their backward
+  pass (dAD) have already done so when this returns; their sown bits come
+  back in ``extra_args`` (``{"model_comm": ...}``) for ``tx.update(...,
+  **extra_args)``, and their ``"dad_state"`` is replaced by its gradient
+  (keeping the old value of layers that got no cotangent). The ``mutable``
+  collections are replaced by the loss function's ``aux["model_state"]``.
+
+  Returns:
+    A :class:`~dadjax.stage.GradResult` (``aux`` without ``"model_state"``).
+  """
+  model_state = dict(model_state or {})
+  diff = {k: v for k, v in model_state.items() if k == STATE_COLLECTION}
   fixed = {k: v for k, v in model_state.items() if k != STATE_COLLECTION}
 
-  def loss_fn(diff_vars):
-    logits, sown = model.apply({**fixed, **diff_vars}, x, mutable=[COMM_COLLECTION])
-    return loss(logits, y), (logits, sown)
+  def objective(p, d):
+    return loss_fn(p, {**fixed, **d}, batch, rng, train)
 
-  (value, (logits, sown)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      {"params": params, **overwrite})
+  (value, aux), (grads, dgrads) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+      params, diff)
+  updates = {}
+  if isinstance(aux, Mapping) and MODEL_STATE in aux:
+    aux = dict(aux)
+    updates = dict(aux.pop(MODEL_STATE) or {})
   extra = {}
-  if jax.tree.leaves(sown.get(COMM_COLLECTION, {})):
-    extra["model_comm"] = sown[COMM_COLLECTION]
-  new_model_state = {**fixed, **{k: grads[k] for k in overwrite}}
-  return LocalGradients(value, logits, grads["params"], new_model_state, extra)
+  if jax.tree.leaves(updates.get(COMM_COLLECTION, {})):
+    extra["model_comm"] = updates[COMM_COLLECTION]
+  new_state = dict(model_state)
+  for name in mutable:
+    if name in updates and name in model_state:
+      new_state[name] = updates[name]
+  if diff:
+    new_state[STATE_COLLECTION] = keep_unused_state(dgrads[STATE_COLLECTION],
+                                                    diff[STATE_COLLECTION])
+  return GradResult(value, aux, grads, new_state, extra)
 
 
-def _site_program(model, tx, loss, axis_name):
+def local_gradients(model, loss, params, model_state, batch) -> LocalGradients:
+  """Loss, logits and gradients of one site's rows with a classification criterion.
+
+  A convenience over :func:`grad_result`: ``loss(logits, labels) -> scalar``
+  on ``batch["x"]`` / ``batch["y"]``, no rng, ``train=True``.
+  """
+
+  def loss_fn(p, variables, b, rng, train):
+    del rng
+    variables = dict(variables)
+    mutable = [COMM_COLLECTION] + [k for k in variables if k not in _RESERVED]
+    kwargs = {"train": train} if _accepts_train(model) else {}
+    logits, updates = model.apply({"params": p, **variables}, b["x"], mutable=mutable, **kwargs)
+    return loss(logits, b["y"]), {"logits": logits, MODEL_STATE: dict(updates)}
+
+  r = grad_result(loss_fn, ("batch_stats",), params, model_state, batch, None)
+  return LocalGradients(r.loss, r.aux["logits"], r.grads, r.model_state, r.extra_args)
+
+
+def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name):
   """The step as one site runs it; collectives name ``axis_name``."""
   tx = optax.with_extra_args_support(tx)
 
   def site_step(state: TrainState, batch):
-    local = local_gradients(model, loss, state.params, state.model_state, batch)
-    updates, opt_state = tx.update(local.grads, state.opt_state, state.params, **local.extra_args)
+    site = site_index(axis_name)
+    model_key, shared_key, stage_key = site_keys(state.rng, state.step, site)
+
+    def bound_grad(params, b, rng=None):
+      return grad_result(loss_fn, mutable, params, state.model_state, b,
+                         model_key if rng is None else rng, True)
+
+    if batch_stage is None:
+      result, stage_state, traffic = bound_grad(state.params, batch), state.stage_state, NO_TRAFFIC
+    else:
+
+      def bound_loss(params, b, rng=None):
+        value, aux = loss_fn(params, state.model_state, b, model_key if rng is None else rng, True)
+        if isinstance(aux, Mapping) and MODEL_STATE in aux:
+          aux = {k: v for k, v in aux.items() if k != MODEL_STATE}
+        return value, aux
+
+      ctx = StageContext(bound_grad, bound_loss, axis_name, stage_key, shared_key, state.step)
+      out = batch_stage.apply(ctx, state.params, batch, state.stage_state)
+      result, stage_state, traffic = out.result, out.state, out.traffic
+
+    updates, opt_state = tx.update(result.grads, state.opt_state, state.params, **result.extra_args)
     params = optax.apply_updates(state.params, updates)
-    metrics = {
-        "loss": local.loss,
-        "accuracy": jnp.mean((jnp.argmax(local.logits, -1) == batch["y"]).astype(jnp.float32)),
-    }
-    metrics = mean_over_sites(metrics, axis_name)
-    return TrainState(state.step + 1, params, opt_state, local.model_state), metrics
+    model_state = dict(result.model_state)
+    synced = {k: model_state[k] for k in average if k in model_state}
+    if jax.tree.leaves(synced):
+      synced, sync_traffic = metered_pmean(synced, axis_name)
+      model_state.update(synced)
+      traffic = traffic_add(traffic, sync_traffic)
+    metrics = {"loss": result.loss, **metrics_fn(result.aux, batch)}
+    metrics = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), metrics)
+    metrics, metrics_traffic = metered_pmean(metrics, axis_name)
+    traffic = traffic_add(traffic, metrics_traffic)
+    comm = ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather,
+                         reduce_calls=traffic.reduce_calls, gather_calls=traffic.gather_calls)
+    new_state = TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
+                           stage_state)
+    return new_state, metrics
 
   return site_step
+
+
+def _check_names(name: str, names, allowed=None) -> tuple[str, ...]:
+  if isinstance(names, str):
+    raise ValueError(f"{name} must be a sequence of collection names, got the string {names!r}")
+  names = tuple(names)
+  bad = [n for n in names if not isinstance(n, str) or n in _RESERVED]
+  if bad:
+    raise ValueError(f"{name}: {bad} cannot be listed; the step handles {_RESERVED} itself")
+  if allowed is not None and not set(names) <= set(allowed):
+    raise ValueError(f"{name} must be a subset of mutable={allowed}, got {names}")
+  return names
 
 
 def make_train_step(
     model,
     tx: optax.GradientTransformation,
     *,
-    loss: Callable[[jax.Array, jax.Array], jax.Array] = softmax_cross_entropy,
+    loss_fn: LossFn | None = None,
+    metrics_fn: MetricsFn | None = None,
+    mutable: Sequence[str] = ("batch_stats",),
+    average: Sequence[str] = ("batch_stats",),
+    batch_stage: BatchStage | None = None,
     num_sites: int | None = None,
     axis_name: str = "data",
     backend: str = "shard_map",
@@ -207,11 +454,26 @@ def make_train_step(
   """Build the jitted SPMD training step.
 
   Args:
-    model: a Flax linen module; ``model.apply(variables, x)`` returns logits.
+    model: a Flax linen module (``init`` and the default loss use it).
     tx: any optax transformation; a dadjax communicating transformation in
       it (``dadjax.allreduce(axis_name)``, a compressor, dAD's sync) does the
       collective. A plain optax optimizer alone leaves sites unsynchronized.
-    loss: ``loss(logits, labels) -> scalar`` mean over the site's rows.
+    loss_fn: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)``
+      (:mod:`dadjax.parallel._losses`); default
+      ``classification_loss(model)`` (cross-entropy of ``batch["y"]`` under
+      ``model.apply(..., batch["x"])``). ``regression_loss(model)`` is MSE.
+    metrics_fn: ``metrics_fn(aux, batch) -> dict`` of scalars, averaged over
+      sites with ``"loss"``; default :func:`default_metrics` (accuracy from
+      logits, MSE from predictions).
+    mutable: collections the model updates in training (default
+      ``("batch_stats",)``; absent ones are ignored). Each must exist after
+      ``model.init``, except ``"batch_stats"``.
+    average: of ``mutable``, the collections averaged over the sites after
+      every step (one metered ``pmean``, booked in ``TrainState.comm``);
+      default ``("batch_stats",)``; ``()`` keeps them per site.
+    batch_stage: a :class:`~dadjax.stage.BatchStage` that computes the
+      gradient from the site's batch (data-side methods); ``None``: the plain
+      backward pass on the site's rows.
     num_sites: number of sites; default: the mesh size (shard_map), the
       local device count (pmap), required for vmap.
     axis_name: the axis the collectives name; default ``"data"``.
@@ -222,10 +484,21 @@ def make_train_step(
 
   Returns:
     A :class:`TrainStep`.
+
+  Raises:
+    ValueError: for an unknown backend, a bad ``num_sites``, an axis not in
+      the mesh, or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
+      or ``"dad_state"`` (``average`` must be a subset of ``mutable``).
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  site_step = _site_program(model, tx, loss, axis_name)
+  mutable = _check_names("mutable", mutable)
+  average = _check_names("average", average, mutable)
+  if batch_stage is not None and not isinstance(batch_stage, BatchStage):
+    raise ValueError(f"batch_stage must be a dadjax.stage.BatchStage or None, got {batch_stage!r}")
+  loss_fn = classification_loss(model) if loss_fn is None else loss_fn
+  metrics_fn = default_metrics if metrics_fn is None else metrics_fn
+  site_step = _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name)
   donate_argnums = (0,) if donate else ()
 
   if backend == "shard_map":
@@ -255,4 +528,30 @@ def make_train_step(
       raise ValueError(f"num_sites must be an int >= 1 for backend='vmap', got {num_sites}")
     run = jax.jit(jax.vmap(site_step, axis_name=axis_name), donate_argnums=donate_argnums)
 
-  return TrainStep(model, tx, loss, num_sites, axis_name, backend, mesh, run)
+  @jax.jit
+  def eval_fn(params, model_state, batch):
+    value, aux = loss_fn(params, model_state, batch, jax.random.key(0), False)
+    if isinstance(aux, Mapping) and MODEL_STATE in aux:
+      aux = {k: v for k, v in aux.items() if k != MODEL_STATE}
+    return {"loss": value, **metrics_fn(aux, batch)}
+
+  return TrainStep(model, tx, loss_fn, metrics_fn, num_sites, axis_name, backend, mesh, mutable,
+                   average, batch_stage, run, eval_fn)
+
+
+__all__ = [
+    "BACKENDS",
+    "COMM_COLLECTION",
+    "STATE_COLLECTION",
+    "LocalGradients",
+    "TrainState",
+    "TrainStep",
+    "grad_result",
+    "keep_unused_state",
+    "local_gradients",
+    "make_train_step",
+    "site_keys",
+    "softmax_cross_entropy",
+    "stack_sites",
+    "unstack_site",
+]
