@@ -1,4 +1,4 @@
-"""The ``dadjax`` command: ``dadjax train`` and ``dadjax demo``.
+"""The ``dadjax`` command: ``dadjax train``, ``demo``, ``methods`` and ``plot``.
 
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
   p_demo.add_argument("--no-progress", action="store_true")
   p_demo.set_defaults(handler=_demo)
   _debug_flag(p_demo)
+  p_plot = sub.add_parser("plot", help="heat map of a run's Accordion decisions with its learning "
+                          "rate, from RUN_DIR/metrics.jsonl")
+  p_plot.add_argument("run_dir", help="a run's out_dir (holds metrics.jsonl)")
+  p_plot.add_argument("--out", help="image to write (default: RUN_DIR/decisions.png)")
+  p_plot.set_defaults(handler=_plot)
+  _debug_flag(p_plot)
   p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)
@@ -62,6 +68,26 @@ def _methods(args: argparse.Namespace) -> int:
   del args
   from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
   print(describe())
+  return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(args.run_dir) / "metrics.jsonl"
+  try:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  except OSError as e:
+    raise DadjaxError(f"cannot read {str(path)!r}: {e.strerror or e}; RUN_DIR must be a run's "
+                      "out_dir") from None
+  except json.JSONDecodeError as e:
+    raise DadjaxError(f"{str(path)!r} is not JSON lines: {e}") from None
+  from dadjax.adaptive import plot_decisions  # pylint: disable=g-import-not-at-top
+  out = args.out or str(pathlib.Path(args.run_dir) / "decisions.png")
+  try:
+    plot_decisions(rows, out, title=rows[-1].get("method", "Accordion") if rows else "Accordion")
+  except ValueError as e:
+    raise DadjaxError(f"{str(path)!r}: {e} (train with an accordion(...) method)") from None
+  print(f"wrote {out}")
   return 0
 
 

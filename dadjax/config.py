@@ -45,6 +45,11 @@ class Config:
     steps: training steps.
     optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
     lr, momentum: optimizer hyperparameters.
+    lr_schedule: ``"constant"`` (default) or a step decay
+      ``"step:FACTOR:S1[:S2...]"``: the learning rate is multiplied by
+      ``FACTOR`` (in (0, 1)) at each of the steps ``S1 < S2 < ...`` (ints >= 1),
+      e.g. ``"step:0.1:150:250"``. Methods that react to decreases
+      (Accordion) are handed the schedule.
     seed: seeds parameters, partitions, batches and compressors.
     eval_every: evaluate and log every this many steps (and at the end).
     checkpoint_dir: orbax checkpoint directory (``None``: no checkpoints).
@@ -68,6 +73,7 @@ class Config:
   optimizer: str = "sgd"
   lr: float = 0.1
   momentum: float = 0.9
+  lr_schedule: str = "constant"
   seed: int = 0
   eval_every: int = 100
   checkpoint_dir: str | None = None
@@ -93,6 +99,7 @@ class Config:
         raise ConfigError(f"config.{name} must be one of {list(valid)}, got {value!r}")
     _check_range("lr", self.lr, low=0.0)
     _check_range("momentum", self.momentum, low=0.0, high=1.0, low_open=False, high_open=True)
+    parse_lr_schedule(self.lr_schedule)
     _check_range("alpha", self.alpha, low=0.0)
     _check_range("bandwidth", self.bandwidth, low=0.0)
     _check_range("latency", self.latency, low=0.0, low_open=False)
@@ -100,6 +107,37 @@ class Config:
   def replace(self, **changes) -> "Config":
     _check_keys(changes)
     return dataclasses.replace(self, **changes)
+
+
+def parse_lr_schedule(text: str) -> tuple[float, tuple[int, ...]]:
+  """``config.lr_schedule`` as ``(factor, boundaries)``; ``"constant"`` is ``(1.0, ())``.
+
+  Raises:
+    ConfigError: naming ``config.lr_schedule`` and the valid forms.
+  """
+  forms = "valid forms: 'constant' or 'step:FACTOR:S1[:S2...]', e.g. 'step:0.1:150:250'"
+  if text == "constant":
+    return 1.0, ()
+  parts = text.split(":")
+  if parts[0] != "step" or len(parts) < 3:
+    raise ConfigError(f"config.lr_schedule: unknown schedule {text!r}; {forms}")
+  try:
+    factor = float(parts[1])
+  except ValueError:
+    raise ConfigError(f"config.lr_schedule: FACTOR must be a number in (0, 1), got "
+                      f"{parts[1]!r} in {text!r}; {forms}") from None
+  if not (math.isfinite(factor) and 0 < factor < 1):
+    raise ConfigError(f"config.lr_schedule: FACTOR must be a number in (0, 1), got {factor!r} "
+                      f"in {text!r}; {forms}")
+  try:
+    steps = tuple(int(p) for p in parts[2:])
+  except ValueError:
+    raise ConfigError(f"config.lr_schedule: the decay steps must be ints >= 1, got "
+                      f"{parts[2:]} in {text!r}; {forms}") from None
+  if min(steps) < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
+    raise ConfigError(f"config.lr_schedule: the decay steps must be increasing ints >= 1, got "
+                      f"{list(steps)} in {text!r}; {forms}")
+  return factor, steps
 
 
 def _fields() -> dict[str, dataclasses.Field]:

@@ -29,6 +29,7 @@ DEFAULT_METHODS = {
     "powersgd:2": 0.1,
     "dad": 0.1,
     "rank_dad:2": 0.1,
+    "accordion(powersgd:2,powersgd:1)": 0.1,
 }
 
 

@@ -11,6 +11,8 @@ compressor a method (its :func:`~dadjax.compress.compressed` all-reduce).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from dadjax import registry
 from dadjax.comm import allreduce
 from dadjax.compress import Compressor, compressed
@@ -32,7 +34,9 @@ def _compressed(compressor: Compressor, *, axis_name: str | None = "data",
   return Method("", tx=compressed(compressor, axis_name=axis_name, seed=seed))
 
 
-def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Method:
+def build_method(spec: str, axis_name: str | None = "data", seed: int = 0, *,
+                 steps_per_epoch: int | None = None,
+                 lr_schedule: Callable[[Any], Any] | None = None) -> Method:
   """Build a method from its spec.
 
   Args:
@@ -43,6 +47,10 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Me
       registered method (``dadjax methods`` lists them all).
     axis_name: mesh axis of the sites (``None``: one site).
     seed: seeds the method's shared randomness.
+    steps_per_epoch: the run's steps per epoch, for methods that work in
+      epochs (Accordion's detector window); ``None``: unknown.
+    lr_schedule: the optimizer's learning-rate schedule (step -> lr), for
+      methods that react to its decreases (Accordion); ``None``: unknown.
 
   Returns:
     A :class:`~dadjax.registry.Method` named ``spec``.
@@ -51,4 +59,9 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0) -> Me
     SpecError: (a ``ValueError``) for a malformed spec, an unknown name or a
       bad argument, listing every valid form.
   """
-  return registry.build("method", spec, axis_name=axis_name, seed=seed)
+  context: dict[str, Any] = {"axis_name": axis_name, "seed": seed}
+  if steps_per_epoch is not None:
+    context["steps_per_epoch"] = steps_per_epoch
+  if lr_schedule is not None:
+    context["lr_schedule"] = lr_schedule
+  return registry.build("method", spec, **context)

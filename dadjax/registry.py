@@ -724,6 +724,18 @@ def _find_any(kind: str, tree: Spec, text: str) -> tuple[Entry, Spec]:
     raise SpecError(text, f"no method named {tree.name!r}", kind, unknown=True) from None
 
 
+def _accepted(fn: Callable[..., Any], context: dict) -> dict:
+  """The build-context keywords ``fn`` takes (all of them if it takes ``**kwargs``).
+
+  The context may carry run facts some builders use and others ignore
+  (``steps_per_epoch``, ``lr_schedule``).
+  """
+  params = inspect.signature(fn).parameters
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return context
+  return {k: v for k, v in context.items() if k in params}
+
+
 def _build(kind: str, tree: Spec, text: str, context: dict) -> Any:
   entry, tree = _find_any(kind, tree, text)
   values = _bind(entry, tree, text, context, kind)
@@ -731,7 +743,7 @@ def _build(kind: str, tree: Spec, text: str, context: dict) -> Any:
     if entry.kind == "compressor":
       out = entry.fn(**values)
     else:
-      out = entry.fn(**values, **context)
+      out = entry.fn(**values, **_accepted(entry.fn, context))
   except SpecError:
     raise
   except ValueError as e:  # the builder's own check, naming the argument
@@ -741,7 +753,7 @@ def _build(kind: str, tree: Spec, text: str, context: dict) -> Any:
   if entry.kind == "compressor":
     if not _LIFT:
       raise RuntimeError("no compressor -> method lift registered (dadjax.methods not loaded)")
-    out = _LIFT[0](out, **context)
+    out = _LIFT[0](out, **_accepted(_LIFT[0], context))
   return out._replace(name=text) if isinstance(out, Method) else Method(text, tx=out)
 
 
@@ -751,7 +763,9 @@ def build(kind: str, spec: str | Spec, **context: Any) -> Any:
   Args:
     kind: ``"compressor"`` or ``"method"``.
     spec: the spec text or a parsed :class:`Spec`.
-    **context: for methods, the builders' context (``axis_name``, ``seed``).
+    **context: for methods, the builders' context (``axis_name``, ``seed``;
+      optionally run facts such as ``steps_per_epoch`` and ``lr_schedule``);
+      each builder receives the keywords it takes.
 
   Returns:
     A ``Compressor`` or a :class:`Method` (named ``spec``).

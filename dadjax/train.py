@@ -25,7 +25,7 @@ from dadjax import data as data_lib
 from dadjax import models
 from dadjax.comm import NetworkModel, comm_stats, host_array
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
-from dadjax.config import Config, validate
+from dadjax.config import Config, parse_lr_schedule, validate
 from dadjax.errors import CheckpointError, ConfigError, DivergenceError
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_train_step
@@ -51,10 +51,24 @@ class Run:
     return self.step_fn.params(self.state)
 
 
+def make_schedule(config: Config) -> optax.Schedule:
+  """The learning rate of ``config`` as an optax schedule (step -> lr).
+
+  ``config.lr_schedule="step:F:S1:S2"`` multiplies ``config.lr`` by ``F`` at
+  steps ``S1`` and ``S2``; ``"constant"`` is ``config.lr`` throughout.
+  """
+  factor, steps = parse_lr_schedule(config.lr_schedule)
+  if not steps:
+    return optax.constant_schedule(config.lr)
+  return optax.piecewise_constant_schedule(config.lr, {s: factor for s in steps})
+
+
 def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """The communicating transformation first, then the local optimizer."""
-  local = (optax.sgd(config.lr, momentum=config.momentum or None) if config.optimizer == "sgd"
-           else optax.adam(config.lr))
+  """The communicating transformation first, then the local optimizer (with
+  :func:`make_schedule`'s learning rate)."""
+  lr = make_schedule(config) if config.lr_schedule != "constant" else config.lr
+  local = (optax.sgd(lr, momentum=config.momentum or None) if config.optimizer == "sgd"
+           else optax.adam(lr))
   return optax.chain(comm_tx, local)
 
 
@@ -81,10 +95,14 @@ def evaluate(step_fn: TrainStep, state: TrainState, x: np.ndarray, y: np.ndarray
 
 
 def _build_method(config: Config, steps_per_epoch: int):
-  """The method of ``config``; ``steps_per_epoch`` goes to builders that take it (Accordion)."""
+  """The method of ``config``; the run's steps per epoch and learning-rate
+  schedule go to the builders that take them (Accordion)."""
   kwargs = {"axis_name": "data", "seed": config.seed}
-  if "steps_per_epoch" in inspect.signature(build_method).parameters:
+  params = inspect.signature(build_method).parameters
+  if "steps_per_epoch" in params:
     kwargs["steps_per_epoch"] = steps_per_epoch
+  if "lr_schedule" in params:
+    kwargs["lr_schedule"] = make_schedule(config)
   return build_method(config.method, **kwargs)
 
 
@@ -270,4 +288,30 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       "modeled_comm_s": step_time * summary.updates,
       "wall_s": seconds,
   }
+  row.update(state_rows(state.opt_state, step_fn.params(state)))
+  return row
+
+
+def _has_row(x) -> bool:
+  return callable(getattr(type(x), "metrics_row", None))
+
+
+def state_rows(opt_state: Any, params: Any) -> dict:
+  """The metrics of every part of an optimizer state that reports its own.
+
+  A state class (a ``NamedTuple``) with a ``metrics_row(params) -> dict``
+  method reports what it decided (e.g. Accordion's per-tensor decisions and
+  window norms); the train loop merges these into its rows.
+
+  Args:
+    opt_state: the optimizer state (stacked per site or not).
+    params: one site's parameters (for tensor names).
+
+  Returns:
+    The merged dict of host values (empty when no part reports).
+  """
+  row: dict = {}
+  for part in jax.tree.leaves(opt_state, is_leaf=_has_row):
+    if _has_row(part):
+      row.update(part.metrics_row(params))
   return row

@@ -26,6 +26,7 @@ from dadjax.adaptive._detector import (
     norm_bits,
 )
 from dadjax.adaptive._plot import decision_matrix, plot_decisions
+from dadjax.adaptive import _methods  # registers the accordion(...) spec  # noqa: F401
 
 __all__ = [
     "accordion",

@@ -75,6 +75,10 @@ class AccordionState(NamedTuple):
   lr: jax.Array
   comm: CommStats
 
+  def metrics_row(self, params: Any = None) -> dict:
+    """:func:`accordion_row` of this state (the train loop merges it into its rows)."""
+    return accordion_row(self, params)
+
 
 def _compressed(leaf) -> bool:
   return len(jnp.shape(leaf)) >= 2

@@ -86,6 +86,11 @@ class AccordionBatchState(NamedTuple):
   lr: jax.Array
   comm: CommStats
 
+  def metrics_row(self, params: Any = None) -> dict:
+    """:func:`batch_row` of this state (the train loop merges it into its rows)."""
+    del params
+    return batch_row(self)
+
 
 def _check_steps(name, value) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
