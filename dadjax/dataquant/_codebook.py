@@ -54,6 +54,31 @@ def _nearest(points: jax.Array, centroids: jax.Array) -> jax.Array:
   return jnp.argmin(d, axis=-1)
 
 
+def _seed(points: jax.Array, weights: jax.Array, k: int, key: jax.Array) -> jax.Array:
+  """k-means++ seeding (weighted); falls back to the weights alone once every
+  point coincides with a seed."""
+  n = points.shape[0]
+  keys = jax.random.split(key, k)
+
+  def draw(i, mass):
+    total = jnp.sum(mass)
+    fallback = jnp.where(jnp.sum(weights) > 0, weights, jnp.ones_like(weights))
+    p = jnp.where(total > 0, mass, fallback)
+    return jax.random.choice(keys[i], n, p=p / jnp.sum(p))
+
+  first = points[draw(0, weights)]
+  centroids = jnp.zeros((k,) + points.shape[1:], points.dtype).at[0].set(first)
+  d2 = jnp.sum((points - first) ** 2, -1)
+
+  def body(i, carry):
+    c, d2 = carry
+    nxt = points[draw(i, weights * d2)]
+    return c.at[i].set(nxt), jnp.minimum(d2, jnp.sum((points - nxt) ** 2, -1))
+
+  centroids, _ = jax.lax.fori_loop(1, k, body, (centroids, d2))
+  return centroids
+
+
 def kmeans(points: jax.Array, weights: jax.Array, k: int, key: jax.Array,
            iters: int = 10) -> tuple[jax.Array, jax.Array]:
   """Weighted k-means (Lloyd's iterations) with a fixed number of iterations.
@@ -62,8 +87,9 @@ def kmeans(points: jax.Array, weights: jax.Array, k: int, key: jax.Array,
     points: ``(n, B)`` float.
     weights: ``(n,)`` non-negative weights (cluster sizes when merging).
     k: number of centroids.
-    key: picks the initial centroids (``k`` points drawn with probability
-      proportional to their weight; with replacement when ``n < k``).
+    key: picks the initial centroids (k-means++ seeding: each next seed is a
+      point drawn with probability proportional to its weight times its
+      squared distance to the seeds so far).
     iters: Lloyd iterations.
 
   Returns:
@@ -71,15 +97,13 @@ def kmeans(points: jax.Array, weights: jax.Array, k: int, key: jax.Array,
     keeps its previous position.
 
   References:
-    Lloyd, "Least squares quantization in PCM", IEEE Trans. Inf. Theory 1982.
+    Lloyd, "Least squares quantization in PCM", IEEE Trans. Inf. Theory 1982;
+    Arthur & Vassilvitskii, "k-means++: The Advantages of Careful Seeding",
+    SODA 2007.
   """
   points = jnp.asarray(points, jnp.float32)
   weights = jnp.asarray(weights, jnp.float32)
-  n = points.shape[0]
-  total = jnp.sum(weights)
-  prob = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 1.0 / n)
-  init = jax.random.choice(key, n, (k,), replace=n < k, p=prob)
-  centroids = points[init]
+  centroids = _seed(points, weights, k, key)
 
   def lloyd(_, c):
     a = _nearest(points, c)
