@@ -88,7 +88,7 @@ def grad_norm_scores(loss_fn: Callable, params: Any, batch: dict) -> jax.Array:
 
   def one(row):
     g = jax.grad(lambda p: loss_fn(p, jax.tree.map(lambda v: v[None], row))[0])(params)
-    return optax.global_norm(g)
+    return optax.tree.norm(g)
 
   return jax.vmap(one)(_rows(batch))
 

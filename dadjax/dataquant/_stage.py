@@ -318,24 +318,27 @@ def dataquant(
       true_batch = {input_key: x, label_key: y, "weight": w}
       own = as_batch(*decode(wire))
       keys = Keys(s_corr, k_corr)
-      calls = {}
+      sent = {}
 
       def corrected(cstate):
         c, _ = correction_term(ctx.grad_fn, params, true_batch, own, rows)
         ex = exchange(correction, c, cstate, keys, axis_name)
-        calls["reduce"], calls["gather"] = ex.traffic.reduce_calls, ex.traffic.gather_calls
+        sent["traffic"] = ex.traffic
         return ex.mean, ex.state, _as_bits(ex.traffic.reduce), _as_bits(ex.traffic.gather)
 
       if correct_every == 1:
         mean, corr_state, c_reduce, c_gather = corrected(state.correction)
+        c_traffic = sent["traffic"]  # static sizes stay Python ints
         active = jnp.asarray(True)
       else:
         active = (ctx.step % correct_every) == 0
         skip = lambda cstate: (tree_zeros_like(grads), cstate, bits_zero(), bits_zero())
         mean, corr_state, c_reduce, c_gather = jax.lax.cond(active, corrected, skip,
                                                             state.correction)
+        c_traffic = Traffic(c_reduce, c_gather, sent["traffic"].reduce_calls,
+                            sent["traffic"].gather_calls)
       grads = jax.tree.map(lambda g, m: g + m.astype(g.dtype), grads, mean)
-      traffic = traffic_add(traffic, Traffic(c_reduce, c_gather, calls["reduce"], calls["gather"]))
+      traffic = traffic_add(traffic, c_traffic)
       corr_useful = bits_add(c_reduce, c_gather)
       backward = backward + jnp.where(active, 2 * rows, 0)
 
