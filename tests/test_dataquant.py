@@ -159,7 +159,8 @@ def test_sample_gate_probabilities_and_reweighting():
   np.testing.assert_allclose(p, expected, rtol=1e-6)
   np.testing.assert_allclose(DQ.send_probabilities(jnp.zeros(4), 0.25, 0.0), 0.25)
   w = jnp.arange(1.0, 9.0)
-  d = jax.vmap(lambda k: DQ.sample_gate(s, 0.5, k, w, 0.1))(jax.random.split(jax.random.key(0), 20000))
+  keys = jax.random.split(jax.random.key(0), 20000)
+  d = jax.vmap(lambda k: DQ.sample_gate(s, 0.5, k, w, 0.1))(keys)
   # E[weight_i] = w_i: each is w_i / p_i with probability p_i (1/p_i <= 1/0.05 = 20 here)
   mean = np.mean(np.asarray(d.weight), 0)
   sd = np.asarray(w) * np.sqrt((1 - expected) / expected) / math.sqrt(20000)
@@ -179,6 +180,15 @@ def test_no_quantization_open_gate_equals_allreduce(weighted):
   for site in range(SITES):
     assert_tree_close(jax.tree.map(lambda g: g[site], result.grads), ref, atol=2e-6)
   assert int(state.backward_rows[0]) == SITES * ROWS
+
+
+def test_no_quantization_sends_integer_rows_in_their_dtype():
+  params, batch = make_data(10)
+  pixels = {"x": (batch["x"] * 16).astype(jnp.uint8), "y": batch["y"]}
+  result, state, traffic = run_sites(DQ.dataquant(None), params, pixels)
+  assert per_site(traffic.gather) == [ROWS * DIM * 8 + ROWS * 32] * SITES
+  ref = reference_grads(params, {"x": pixels["x"].astype(jnp.float32), "y": batch["y"]})
+  assert_tree_close(first_site(result.grads), ref, atol=2e-6)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -310,7 +320,8 @@ def test_ledger_counts_the_codebook_broadcast_once():
   assert bits_to_int(state.useful_bits) == [data + book] * SITES
   assert bool(state.codebook_ready[0])
   # every site holds the same merged codebook
-  np.testing.assert_array_equal(state.codebook, jnp.broadcast_to(state.codebook[0], state.codebook.shape))
+  np.testing.assert_array_equal(state.codebook,
+                                jnp.broadcast_to(state.codebook[0], state.codebook.shape))
   _, state2, traffic2 = run_sites(stage, params, batch, state, jax.random.key(8), step=1)
   assert per_site(traffic2.gather) == [data] * SITES
   np.testing.assert_array_equal(state2.codebook, state.codebook)

@@ -31,7 +31,8 @@ from dadjax._tree_utils import tree_sub
 from dadjax.stage import GradResult
 
 
-def rescale(result: GradResult, total_weight: jax.Array, denominator: int | jax.Array) -> GradResult:
+def rescale(result: GradResult, total_weight: jax.Array,
+            denominator: int | jax.Array) -> GradResult:
   """A weighted-mean pass as ``sum(w_i l_i) / denominator``; zero when ``total_weight == 0``.
 
   Args:

@@ -52,7 +52,8 @@ from dadjax.comm._metered import NO_TRAFFIC, Traffic, metered_all_gather, traffi
 from dadjax.compress._base import Compressor, Keys, exchange
 from dadjax.compress._packing import code_bits
 from dadjax.compress._spec import get_compressor
-from dadjax.dataquant._codebook import decode_codebook, encode_codebook, fit_codebook, merge_codebooks
+from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
+                                        merge_codebooks)
 from dadjax.dataquant._correction import correction_term, rescale
 from dadjax.dataquant._gate import (check_gate, check_score, grad_norm_scores, loss_scores,
                                     sample_gate, threshold_gate)
@@ -130,8 +131,8 @@ def dataquant(
   """Data quantization with gradient correction and an importance gate.
 
   Args:
-    bits: bits per code, in ``[1, 8]``; ``None`` sends the rows in fp32
-      (no quantization). For ``quantizer="uniform"`` it is bits per
+    bits: bits per code, in ``[1, 8]``; ``None`` sends the rows exactly, in
+      their own dtype (no quantization). For ``quantizer="uniform"`` it is bits per
       coordinate; for ``"codebook"`` the codebook has ``2**bits`` codewords.
     scale: ``"sample"`` or ``"feature"`` range of the uniform quantizer
       (:mod:`dadjax.dataquant._uniform`).
@@ -268,9 +269,9 @@ def dataquant(
       ready = jnp.asarray(True)
 
     # 3. Quantize (every row, so ranges do not depend on the gate), then compact.
-    if bits is None:
-      data = compact(xf)
-      row_bits, header_bits = 32 * dim, 0
+    if bits is None:  # exact rows, in their own dtype
+      data = compact(x.reshape(rows, dim))
+      row_bits, header_bits = dim * x.dtype.itemsize * 8, 0
     elif quantizer == "uniform":
       p = quantize_uniform(xf, bits, k_quant, scale)
       if scale == "sample":
@@ -290,7 +291,7 @@ def dataquant(
 
     def decode(p):  # one site's payload -> (x (rows, D), y, weight)
       if bits is None:
-        xh = p["x"]
+        xh = p["x"].astype(jnp.float32)
       elif quantizer == "uniform":
         xh = dequantize_uniform(p["x"], bits, dim, scale)
       else:
@@ -301,8 +302,11 @@ def dataquant(
         wh = jnp.where(jnp.arange(rows) < p["count"], wh, 0.0)
       return xh, yh, wh
 
+    # decoded rows keep a float input's dtype; integer inputs (e.g. uint8 pixels) become fp32
+    x_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
     def as_batch(xh, yh, wh):
-      return {input_key: xh.reshape((-1,) + feat).astype(x.dtype), label_key: yh, "weight": wh}
+      return {input_key: xh.reshape((-1,) + feat).astype(x_dtype), label_key: yh, "weight": wh}
 
     # 4. Gather and the shared pass on every site's quantized rows.
     gathered, gather_traffic = metered_all_gather(wire, axis_name)
