@@ -25,6 +25,7 @@ exactly. The codes of each row are packed into uint32 words
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -53,10 +54,10 @@ class UniformPayload(NamedTuple):
 
 def check_bits(bits) -> int:
   """``bits`` as an int in ``[1, 8]``, else a ValueError naming it."""
-  if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+  if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= MAX_BITS:
     raise ValueError(f"bits must be an int in [1, {MAX_BITS}] (or None for no quantization), "
                      f"got {bits!r}")
-  return bits
+  return int(bits)
 
 
 def check_scale(scale) -> str:
