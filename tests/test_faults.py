@@ -348,7 +348,7 @@ TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_sit
     (["steps=ten"], "override steps='ten': not a valid int"),
     (['model_kwargs={"hidden": [0]}'], "config.model_kwargs['hidden'] must hold ints >= 1"),
     (['model_kwargs={"hiden": [8]}'],
-     "config.model_kwargs has unknown key(s) ['hiden']; valid keys: ['hidden']"),
+     "config.model_kwargs has unknown key(s) ['hiden']; valid keys: ['dropout', 'hidden']"),
     (['model_kwargs={"hidden": [8'], "override model_kwargs="),
     (['dataset_kwargs={"n_train": 5}'],
      "config.dataset_kwargs has unknown key(s) ['n_train']; valid keys: ['seed', 'test_fraction']"),

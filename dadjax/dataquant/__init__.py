@@ -1,0 +1,34 @@
+"""Quantizing data instead of gradients: data quantizers, gradient
+correction, importance gate, and the batch stage that combines them:
+``dataquant(bits=2, correction="ef_scaled_sign", gate=0.5, gate_mode="sample")``."""
+
+from dadjax.dataquant._codebook import (
+    codebook_bits,
+    codebook_row_bits,
+    decode_codebook,
+    encode_codebook,
+    fit_codebook,
+    kmeans,
+    merge_codebooks,
+)
+from dadjax.dataquant._correction import correction_term, rescale
+from dadjax.dataquant._gate import (
+    GATE_MODES,
+    SCORES,
+    GateDecision,
+    grad_norm_scores,
+    loss_scores,
+    sample_gate,
+    send_probabilities,
+    threshold_gate,
+)
+from dadjax.dataquant._labels import decode_labels, encode_labels, label_bits
+from dadjax.dataquant._stage import QUANTIZERS, DataQuantState, dataquant
+from dadjax.dataquant._uniform import (
+    SCALES,
+    UniformPayload,
+    dequantize_uniform,
+    quantize_uniform,
+    uniform_header_bits,
+    uniform_row_bits,
+)

@@ -1,0 +1,374 @@
+"""Quantizing data instead of gradients, as a batch stage of the train step.
+
+Each step, every site
+
+1. scores its rows and gates them (optional): the rows it sends are moved
+   to the front, the rest are padding of weight 0 (static shapes);
+2. quantizes its rows (:func:`~dadjax.dataquant.quantize_uniform`, a learned
+   codebook, or none) and packs them, with the labels, the rows' weights
+   (when they are not all 1) and the number of rows sent (when gated);
+3. all-gathers that payload (:func:`dadjax.comm.metered_all_gather`) and
+   decodes every site's rows: all sites hold the same ``N * R`` rows;
+4. computes the gradient on the gathered quantized rows with the step's
+   ``grad_fn`` (the same on every site);
+5. optionally adds the mean of the sites' corrections ``g(x) - g(Q(x))``
+   (:mod:`dadjax.dataquant._correction`), sent with any dadjax
+   :class:`~dadjax.compress.Compressor` through
+   :func:`dadjax.compress.exchange`, every ``correct_every`` steps.
+
+Rows ``i`` of site ``s`` carry weights ``w_si`` (1, or the batch's
+``"weight"`` normalized to sum to ``R`` per site) divided by the gate's
+send probability; the gathered pass is rescaled to the denominator ``N R``,
+so with quantization off and the gate open the gradient is exactly the
+all-reduce mean of the sites' mean gradients, and with the sampling gate it
+is an unbiased estimate of it. With an uncompressed correction the result
+is that gradient exactly, whatever the quantizer and gate.
+
+Cost, reported in :class:`DataQuantState`: the payload the compiled
+all-gather moves is padded to ``R`` rows (``Traffic``, ``wire_bits``); the
+bits of the rows actually sent are ``useful_bits`` (traced). Compute is
+``N R`` rows in the shared backward pass, plus ``2 R`` for the correction
+(true and quantized rows) and ``R`` single-row backward passes for the
+``"grad_norm"`` score (``backward_rows``).
+
+References:
+  Hanna, Ezzeldin, Fragouli, Diggavi, "Quantizing data for distributed
+  learning", arXiv 2012.07913 (https://arxiv.org/abs/2012.07913).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dadjax._tree_utils import tree_nbits, tree_zeros_like
+from dadjax.comm._bits import Bits, bits_add, bits_const, bits_from_count, bits_sum, bits_zero
+from dadjax.comm._collectives import axis_size
+from dadjax.comm._metered import NO_TRAFFIC, Traffic, metered_all_gather, traffic_add
+from dadjax.compress._base import Compressor, Keys, exchange
+from dadjax.compress._packing import code_bits
+from dadjax.compress._spec import get_compressor
+from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
+                                        merge_codebooks)
+from dadjax.dataquant._correction import correction_term, rescale
+from dadjax.dataquant._gate import (check_gate, check_score, grad_norm_scores, loss_scores,
+                                    sample_gate, threshold_gate)
+from dadjax.dataquant._labels import check_num_classes, decode_labels, encode_labels
+from dadjax.dataquant._uniform import (SCALE_BITS, check_bits, check_scale, dequantize_uniform,
+                                       quantize_uniform)
+from dadjax.stage import BatchStage, GradResult, StageContext, StageOutput
+
+QUANTIZERS = ("uniform", "codebook")
+
+
+class DataQuantState(NamedTuple):
+  """Per-site state of :func:`dataquant` and the last step's cost.
+
+  Attributes:
+    correction: the correction compressor's state (``()`` without one).
+    codebook: ``(2**bits, block)`` shared codebook (``"codebook"``
+      quantizer; learned in the first step), else ``(0, 0)``.
+    codebook_ready: bool, whether the codebook has been learned and sent.
+    sent_rows: int32, rows this site sent in the last step.
+    useful_bits: :class:`~dadjax.comm.Bits`, the last step's payload of the
+      rows actually sent (and headers, labels, weights, count, codebook
+      broadcast, correction).
+    wire_bits: :class:`~dadjax.comm.Bits`, the last step's payload as the
+      compiled collectives move it (rows padded to the batch size); the sum
+      of the returned ``Traffic``.
+    backward_rows: int32, rows through a backward pass on this site in the
+      last step (``N R``, ``+ 2 R`` correction, ``+ R`` grad-norm scores).
+    correction_active: bool, whether the last step sent a correction.
+  """
+
+  correction: Any
+  codebook: jax.Array
+  codebook_ready: jax.Array
+  sent_rows: jax.Array
+  useful_bits: Bits
+  wire_bits: Bits
+  backward_rows: jax.Array
+  correction_active: jax.Array
+
+
+def _check_int(name, value, minimum):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+  return int(value)
+
+
+def _as_bits(x) -> Bits:
+  return x if isinstance(x, Bits) else bits_const(x)
+
+
+def _where_bits(active, b) -> Bits:
+  b = _as_bits(b)
+  return Bits(jnp.where(active, b.hi, jnp.uint32(0)), jnp.where(active, b.lo, jnp.uint32(0)))
+
+
+def dataquant(
+    bits: int | None = 2,
+    *,
+    scale: str = "sample",
+    quantizer: str = "uniform",
+    block: int = 4,
+    kmeans_iters: int = 10,
+    correction: Compressor | str | None = None,
+    correct_every: int = 1,
+    gate: float | None = None,
+    gate_mode: str = "threshold",
+    score: str | Callable = "loss",
+    gate_floor: float = 0.1,
+    num_classes: int | None = None,
+    input_key: str = "x",
+    label_key: str = "y",
+    axis_name: str | None = "data",
+) -> BatchStage:
+  """Data quantization with gradient correction and an importance gate.
+
+  Args:
+    bits: bits per code, in ``[1, 8]``; ``None`` sends the rows exactly, in
+      their own dtype (no quantization). For ``quantizer="uniform"`` it is bits per
+      coordinate; for ``"codebook"`` the codebook has ``2**bits`` codewords.
+    scale: ``"sample"`` or ``"feature"`` range of the uniform quantizer
+      (:mod:`dadjax.dataquant._uniform`).
+    quantizer: ``"uniform"`` (stochastic, unbiased) or ``"codebook"``
+      (k-means vector quantization of blocks of ``block`` features; the
+      codebook is learned on the sites' first batches and sent once).
+    block: features per codeword (``"codebook"``), ``>= 1``.
+    kmeans_iters: Lloyd iterations of the codebook fit and merge, ``>= 1``.
+    correction: ``None`` (no correction), a
+      :class:`~dadjax.compress.Compressor` or a compressor spec string
+      (``"identity"``, ``"ef_scaled_sign"``, ``"ef_topk:0.01"``, ...).
+    correct_every: send the correction when ``step % correct_every == 0``.
+    gate: ``None`` (send every row); for ``gate_mode="threshold"`` the score
+      threshold (``>= 0``), for ``"sample"`` the expected fraction of rows
+      sent, in (0, 1] (:mod:`dadjax.dataquant._gate`).
+    gate_mode: ``"threshold"`` or ``"sample"`` (probability proportional to
+      the score, ``1/p`` reweighting: unbiased).
+    score: ``"loss"``, ``"grad_norm"``, or ``(ctx, params, batch) -> (rows,)``.
+    gate_floor: uniform share of the sampling probabilities, in [0, 1].
+    num_classes: pack labels into ``code_bits(num_classes)`` bits; ``None``
+      sends them as they are.
+    input_key: the batch entry holding the inputs ``(rows, ...)``.
+    label_key: the batch entry holding the labels ``(rows,)``.
+    axis_name: the sites' axis; ``None`` is one site.
+
+  Returns:
+    A :class:`~dadjax.stage.BatchStage` whose state is
+    :class:`DataQuantState`. Only the inputs, labels and weights are sent;
+    other batch entries are not used.
+
+  Raises:
+    ValueError: for an argument out of its range (named in the message).
+
+  References:
+    Hanna et al., "Quantizing data for distributed learning"
+    (https://arxiv.org/abs/2012.07913).
+  """
+  if bits is not None:
+    bits = check_bits(bits)
+  scale = check_scale(scale)
+  if quantizer not in QUANTIZERS:
+    raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+  if quantizer == "codebook" and bits is None:
+    raise ValueError("bits must be an int in [1, 8] for quantizer='codebook', got None")
+  block = _check_int("block", block, 1)
+  kmeans_iters = _check_int("kmeans_iters", kmeans_iters, 1)
+  if isinstance(correction, str):
+    correction = get_compressor(correction)
+  if correction is not None and not isinstance(correction, Compressor):
+    raise ValueError(f"correction must be None, a Compressor or a compressor spec string, "
+                     f"got {correction!r}")
+  correct_every = _check_int("correct_every", correct_every, 1)
+  gate, gate_mode, gate_floor = check_gate(gate, gate_mode, gate_floor)
+  score = check_score(score)
+  num_classes = check_num_classes(num_classes)
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise ValueError(f"axis_name must be a str or None, got {axis_name!r}")
+  codebook_shape = (1 << bits, block) if quantizer == "codebook" else (0, 0)
+
+  def init(params):
+    z = bits_zero()
+    return DataQuantState(
+        correction=correction.init(params) if correction is not None else (),
+        codebook=jnp.zeros(codebook_shape, jnp.float32),
+        codebook_ready=jnp.asarray(quantizer != "codebook"),
+        sent_rows=jnp.int32(0), useful_bits=z, wire_bits=z,
+        backward_rows=jnp.int32(0), correction_active=jnp.asarray(False))
+
+  def scores_of(ctx, params, batch):
+    if callable(score):
+      return score(ctx, params, batch)
+    if score == "loss":
+      return loss_scores(ctx.loss_fn, params, batch)
+    return grad_norm_scores(ctx.loss_fn, params, batch)
+
+  def apply(ctx: StageContext, params, batch, state: DataQuantState) -> StageOutput:
+    if ctx.axis_name != axis_name:
+      raise ValueError(f"dataquant was built for axis_name={axis_name!r} but the step runs it "
+                       f"with axis_name={ctx.axis_name!r}")
+    x, y = jnp.asarray(batch[input_key]), jnp.asarray(batch[label_key])
+    rows, feat = x.shape[0], x.shape[1:]
+    dim = math.prod(feat)
+    if y.shape != (rows,):
+      raise ValueError(f"dataquant: batch[{label_key!r}] must have shape ({rows},), got {y.shape}")
+    xf = x.reshape(rows, dim).astype(jnp.float32)
+    if "weight" in batch:
+      w0 = jnp.asarray(batch["weight"], jnp.float32)
+      total = jnp.sum(w0)
+      w = jnp.where(total > 0, w0 * (rows / jnp.where(total > 0, total, 1.0)), 0.0)
+    else:
+      w = jnp.ones((rows,), jnp.float32)
+    n_sites = axis_size(axis_name)
+    k_quant, k_gate, k_fit, k_corr = (jax.random.fold_in(ctx.key, i) for i in range(4))
+    s_fit, s_corr = (jax.random.fold_in(ctx.shared_key, i) for i in range(2))
+    send_weights = "weight" in batch or (gate is not None and gate_mode == "sample")
+    traffic = NO_TRAFFIC
+    backward = n_sites * rows
+
+    # 1. The gate: a row order with the sent rows first.
+    if gate is None:
+      count, order, valid, send_w = rows, None, None, w
+    else:
+      s = jax.lax.stop_gradient(scores_of(ctx, params, batch))
+      if gate_mode == "threshold":
+        decision = threshold_gate(s, gate, w)
+      else:
+        decision = sample_gate(s, gate, k_gate, w, gate_floor)
+      order = jnp.argsort(jnp.logical_not(decision.mask), stable=True)
+      count = jnp.sum(decision.mask).astype(jnp.int32)
+      valid = jnp.arange(rows) < count
+      send_w = decision.weight[order]
+      if score == "grad_norm":
+        backward += rows
+
+    def compact(a):  # rows in gate order, padding zeroed
+      if order is None:
+        return a
+      a = a[order]
+      return jnp.where(valid.reshape((rows,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+
+    # 2. The codebook: learned on the first batch, gathered once, merged.
+    codebook, ready = state.codebook, state.codebook_ready
+    if quantizer == "codebook":
+      fit = lambda: fit_codebook(xf, bits, block, k_fit, kmeans_iters)
+      cb_static = tree_nbits(jax.eval_shape(fit))
+
+      def learn(_):
+        gathered, _ = metered_all_gather(fit(), axis_name)
+        return merge_codebooks(*gathered, s_fit, kmeans_iters)
+
+      codebook = jax.lax.cond(ready, lambda _: state.codebook, learn, None)
+      traffic = traffic_add(traffic, Traffic(gather=_where_bits(~ready, cb_static),
+                                             gather_calls=1))
+      ready = jnp.asarray(True)
+
+    # 3. Quantize (every row, so ranges do not depend on the gate), then compact.
+    if bits is None:  # exact rows, in their own dtype
+      data = compact(x.reshape(rows, dim))
+      row_bits, header_bits = dim * x.dtype.itemsize * 8, 0
+    elif quantizer == "uniform":
+      p = quantize_uniform(xf, bits, k_quant, scale)
+      if scale == "sample":
+        data = type(p)(compact(p.words), compact(p.offset), compact(p.step))
+      else:
+        data = p._replace(words=compact(p.words))
+      row_bits = 32 * data.words.shape[1] + (SCALE_BITS if scale == "sample" else 0)
+      header_bits = 0 if scale == "sample" else SCALE_BITS * dim
+    else:
+      data = compact(encode_codebook(xf, codebook, bits))
+      row_bits, header_bits = 32 * data.shape[1], 0
+    wire = {"x": data, "y": encode_labels(compact(y), num_classes)}
+    if send_weights:
+      wire["weight"] = send_w
+    if gate is not None:
+      wire["count"] = count
+
+    def decode(p):  # one site's payload -> (x (rows, D), y, weight)
+      if bits is None:
+        xh = p["x"].astype(jnp.float32)
+      elif quantizer == "uniform":
+        xh = dequantize_uniform(p["x"], bits, dim, scale)
+      else:
+        xh = decode_codebook(p["x"], codebook, bits, dim)
+      yh = decode_labels(p["y"], num_classes, rows, y.dtype)
+      wh = p["weight"] if send_weights else jnp.ones((rows,), jnp.float32)
+      if gate is not None:
+        wh = jnp.where(jnp.arange(rows) < p["count"], wh, 0.0)
+      return xh, yh, wh
+
+    # decoded rows keep a float input's dtype; integer inputs (e.g. uint8 pixels) become fp32
+    x_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+    def as_batch(xh, yh, wh):
+      return {input_key: xh.reshape((-1,) + feat).astype(x_dtype), label_key: yh, "weight": wh}
+
+    # 4. Gather and the shared pass on every site's quantized rows.
+    gathered, gather_traffic = metered_all_gather(wire, axis_name)
+    traffic = traffic_add(traffic, gather_traffic)
+    xh, yh, wh = jax.vmap(decode)(gathered)
+    gbatch = as_batch(xh.reshape(n_sites * rows, dim), yh.reshape(-1), wh.reshape(-1))
+    result = rescale(ctx.grad_fn(params, gbatch), jnp.sum(gbatch["weight"]), n_sites * rows)
+    grads = result.grads
+
+    # 5. The correction.
+    corr_state, active, corr_useful = state.correction, jnp.asarray(False), bits_zero()
+    if correction is not None:
+      true_batch = {input_key: x, label_key: y, "weight": w}
+      own = as_batch(*decode(wire))
+      keys = Keys(s_corr, k_corr)
+      sent = {}
+
+      def corrected(cstate):
+        c, _ = correction_term(ctx.grad_fn, params, true_batch, own, rows)
+        ex = exchange(correction, c, cstate, keys, axis_name)
+        sent["traffic"] = ex.traffic
+        return ex.mean, ex.state, _as_bits(ex.traffic.reduce), _as_bits(ex.traffic.gather)
+
+      if correct_every == 1:
+        mean, corr_state, c_reduce, c_gather = corrected(state.correction)
+        c_traffic = sent["traffic"]  # static sizes stay Python ints
+        active = jnp.asarray(True)
+      else:
+        active = (ctx.step % correct_every) == 0
+        skip = lambda cstate: (tree_zeros_like(grads), cstate, bits_zero(), bits_zero())
+        mean, corr_state, c_reduce, c_gather = jax.lax.cond(active, corrected, skip,
+                                                            state.correction)
+        c_traffic = Traffic(c_reduce, c_gather, sent["traffic"].reduce_calls,
+                            sent["traffic"].gather_calls)
+      grads = jax.tree.map(lambda g, m: g + m.astype(g.dtype), grads, mean)
+      traffic = traffic_add(traffic, c_traffic)
+      corr_useful = bits_add(c_reduce, c_gather)
+      backward = backward + jnp.where(active, 2 * rows, 0)
+
+    # 6. The cost: padded (traffic) and useful bits.
+    label_items = code_bits(num_classes) if num_classes is not None else None
+    if tree_nbits(wire) != (rows * row_bits + header_bits + tree_nbits(wire["y"])
+                            + (32 * rows if send_weights else 0) + (32 if gate is not None else 0)):
+      raise AssertionError("dataquant: payload layout and bit formula disagree")
+    if gate is None:
+      useful = bits_const(tree_nbits(wire))
+    else:
+      if num_classes is None:
+        label_useful = bits_from_count(count, y.dtype.itemsize * 8)
+      else:
+        label_useful = bits_from_count((count + 31) // 32, 32 * label_items)
+      useful = bits_sum([bits_from_count(count, row_bits + (32 if send_weights else 0)),
+                         bits_const(header_bits + 32), label_useful])
+    if quantizer == "codebook":
+      useful = bits_add(useful, _where_bits(~state.codebook_ready, cb_static))
+    useful = bits_add(useful, corr_useful)
+    wire_bits = bits_add(_as_bits(traffic.reduce), _as_bits(traffic.gather))
+    new_state = DataQuantState(
+        correction=corr_state, codebook=codebook, codebook_ready=ready,
+        sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, wire_bits=wire_bits,
+        backward_rows=jnp.asarray(backward, jnp.int32), correction_active=active)
+    out = GradResult(result.loss, result.aux, grads, result.model_state, result.extra_args)
+    return StageOutput(out, new_state, traffic)
+
+  return BatchStage(init, apply)
