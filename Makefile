@@ -1,10 +1,11 @@
-# Two entry points: `make demo` (the main job) and `make test`.
+# Two entry points: `make demo` (the main job) and `make test`; `make notebooks` re-runs the
+# notebooks in place (full settings) so their committed outputs are current.
 # Both create the virtual environment on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow notebooks install clean
 
 $(BIN)/dadjax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+notebooks: install
+	MPLBACKEND=Agg $(BIN)/jupyter execute --inplace --timeout=3600 notebooks/*.ipynb
 
 clean:
 	rm -rf $(VENV) demo_out runs

@@ -21,5 +21,17 @@ def test_notebook_executes(path, monkeypatch):
   assert not errors
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebook_shows_its_outputs(path):
+  # Committed with the outputs of a full-settings run (`make notebooks`), so a
+  # reader sees the tables and plots without running anything.
+  nb = nbformat.read(path, as_version=4)
+  code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+  empty = [i for i in code if not nb.cells[i].get("outputs")]
+  assert code and not empty, f"{path.name}: code cells {empty} have no outputs; run `make notebooks`"
+  errors = [i for i in code for o in nb.cells[i].outputs if o.get("output_type") == "error"]
+  assert not errors, f"{path.name}: cells {errors} hold errors"
+
+
 def test_there_are_notebooks():
   assert NOTEBOOKS, "notebooks/ is empty"
