@@ -34,3 +34,16 @@ def test_compressor_benchmark_runs(tmp_path):
         "--markdown", str(out)], tmp_path)
   text = out.read_text()
   assert "topk:0.01" in text and "powersgd:4" in text
+
+
+@pytest.mark.slow
+def test_accordion_experiment_runs(tmp_path):
+  _run(["experiments/accordion.py", "--steps", "12", "--seeds", "0", "--models", "mlp",
+        "--partitions", "iid", "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "accordion.md").read_text()
+  for spec in ("powersgd:4", "powersgd:1", "accordion(powersgd:4,powersgd:1)", "ef(topk:0.99)",
+               "ef(topk:0.1)", "accordion(ef(topk:0.99),ef(topk:0.1))"):
+    assert f"`{spec}`" in text
+  assert "| mlp | iid | powersgd |" in text and "| mlp | iid | topk |" in text
+  for png in ("accordion_bits.png", "accordion_decisions.png"):
+    assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
