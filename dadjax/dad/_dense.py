@@ -58,7 +58,9 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 
-from dadjax.comm import axis_size, bits_const, gather_sites, site_index, sum_over_sites
+from dadjax.comm import (axis_size, bits_add, bits_const, bits_from_count, gather_sites,
+                         site_index, sum_over_sites)
+from dadjax.dad import _rank_accordion
 from dadjax.dad._power import factorize
 from dadjax.parallel import COMM_COLLECTION, STATE_COLLECTION
 
@@ -93,6 +95,15 @@ class DadConfig:
     seed: seed of the random starts; the key is ``fold_in(key(seed),
       step)``, identical on every site. Default 0.
     precision: ``jax.lax.Precision`` of the matmuls. Default ``None``.
+    rank_low: with ``mode="rank"`` (one-way): run under Accordion, switching
+      the layer's rank between ``rank`` (critical regimes) and ``rank_low``
+      (1 <= rank_low < rank), see :mod:`dadjax.dad._rank_accordion`.
+      Default ``None`` (fixed rank).
+    accordion_window: steps per detector window (>= 1). Default 1.
+    accordion_interval: windows between checks (>= 1). Default 1.
+    accordion_eta: critical threshold on the relative change (> 0). Default 0.5.
+    lr_schedule: the optimizer's schedule (step -> lr); a decrease makes the
+      layer critical until the next check. Default ``None``.
   """
 
   axis_name: str | None = "data"
@@ -105,6 +116,11 @@ class DadConfig:
   error_feedback: bool = False
   seed: int = 0
   precision: Any = None
+  rank_low: int | None = None
+  accordion_window: int = 1
+  accordion_interval: int = 1
+  accordion_eta: float = 0.5
+  lr_schedule: Any = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -122,6 +138,34 @@ class DadConfig:
       if getattr(self, flag) and self.mode != "rank":
         raise ValueError(f"{flag} applies to mode='rank' only, got mode={self.mode!r}")
     _check_int("seed", self.seed, 0)
+    if self.rank_low is not None:
+      if self.mode != "rank" or self.aggregation != "one_way":
+        raise ValueError("rank_low applies to mode='rank' with aggregation='one_way', got "
+                         f"mode={self.mode!r}, aggregation={self.aggregation!r}")
+      if (isinstance(self.rank_low, bool) or not isinstance(self.rank_low, int)
+          or not 1 <= self.rank_low < self.rank):
+        raise ValueError(f"rank_low must be an int in [1, rank={self.rank}), got {self.rank_low!r}")
+    _check_int("accordion_window", self.accordion_window, 1)
+    _check_int("accordion_interval", self.accordion_interval, 1)
+    eta = self.accordion_eta
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (
+        math.isfinite(eta) and eta > 0):
+      raise ValueError(f"accordion_eta must be a finite number > 0, got {eta!r}")
+    if self.lr_schedule is not None and not callable(self.lr_schedule):
+      raise ValueError(f"lr_schedule must be callable (step -> lr) or None, got "
+                       f"{self.lr_schedule!r}")
+
+  @property
+  def window(self) -> int:
+    return self.accordion_window
+
+  @property
+  def interval(self) -> int:
+    return self.accordion_interval
+
+  @property
+  def eta(self) -> float:
+    return self.accordion_eta
 
 
 def layer_route(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bool = True) -> str:
@@ -187,7 +231,8 @@ def layer_bits(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bo
     return 0, (d_in * d_out + bias) * number_bits
   if route == "factors":
     b = max(number_bits, 32)
-    gather = (config.rank * (d_in + d_out) + bias) * b
+    # Under Accordion (rank_low): the high-rank gather plus the window statistic.
+    gather = (config.rank * (d_in + d_out) + bias + (config.rank_low is not None)) * b
     reduce = config.rank * (d_in + d_out) * b if config.aggregation == "two_way" else 0
     return gather, reduce
   return 0, 0
@@ -213,6 +258,8 @@ def init_state(config: DadConfig, d_in: int, d_out: int) -> dict[str, jax.Array]
       state["basis"] = jnp.zeros((d_out, config.rank), jnp.float32)
     if config.error_feedback:
       state["memory"] = jnp.zeros((d_in, d_out), jnp.float32)
+    if config.rank_low is not None:
+      state.update(_rank_accordion.init_fields())
     if config.aggregation == "two_way":
       state["rank_global"] = zero
       if config.warm_start:
@@ -312,7 +359,11 @@ def _dense_bwd(config, res, dy):
   elif route == "local":
     gk, gb = dot(a.T, d), jnp.sum(d, axis=0)
   else:
-    gk, gb, extra = _rank_dad(config, a, d, cur, invariant, scale)
+    if config.rank_low is not None:
+      gk, gb, extra = _rank_accordion.rank_dad_accordion(config, a, d, cur, invariant, scale,
+                                                         factorize)
+    else:
+      gk, gb, extra = _rank_dad(config, a, d, cur, invariant, scale)
     if new_state is not None:
       new_state.update(extra)
     if "memory" in extra and typed and not _varying(state["memory"], axis):
@@ -429,8 +480,9 @@ def dense(
     config = DadConfig(**options)
   elif options:
     raise ValueError(f"pass either config or options, not both: {sorted(options)}")
-  if state is None and (config.warm_start or config.error_feedback):
-    raise ValueError("state: warm_start and error_feedback need the layer state "
+  if state is None and (config.warm_start or config.error_feedback
+                        or config.rank_low is not None):
+    raise ValueError("state: warm_start, error_feedback and rank_low need the layer state "
                      "(init_state(config, d_in, d_out))")
   if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
     raise ValueError(f"kernel must be (d_in, d_out) with d_in = x.shape[-1]; got x "
@@ -477,6 +529,9 @@ class Dense(nn.Module):
     error_feedback, seed: see :class:`DadConfig` (defaults ``"data"``,
       ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0). The seed is
       combined with the layer's path, so layers draw different starts.
+    rank_low, accordion_window, accordion_interval, accordion_eta,
+    lr_schedule: rank-dAD under Accordion (see :class:`DadConfig`); the
+      layer's bits follow the rank it runs at.
     capture: expose ``A`` and ``D`` (above). Default False.
 
   References:
@@ -500,6 +555,11 @@ class Dense(nn.Module):
   warm_start: bool = False
   error_feedback: bool = False
   seed: int = 0
+  rank_low: int | None = None
+  accordion_window: int = 1
+  accordion_interval: int = 1
+  accordion_eta: float = 0.5
+  lr_schedule: Any = None
   capture: bool = False
 
   def __post_init__(self):
@@ -540,7 +600,14 @@ class Dense(nn.Module):
     rows = math.prod(jnp.shape(inputs)[:-1])
     gather, reduce = layer_bits(config, rows, d_in, self.features, self.use_bias,
                                 jnp.dtype(inputs.dtype).itemsize * 8)
-    if gather:
+    if gather and config.rank_low is not None and state is not None:
+      # The rank this step runs at is known from the state (same rule as the backward pass).
+      number = max(jnp.dtype(inputs.dtype).itemsize * 8, 32)
+      low = gather - (config.rank - config.rank_low) * (d_in + self.features) * number
+      high = _rank_accordion.high_rank_now(config, current_state(state))
+      self.sow(COMM_COLLECTION, "gather_bits",
+               bits_add(bits_const(low), bits_from_count(high, gather - low)))
+    elif gather:
       self.sow(COMM_COLLECTION, "gather_bits", bits_const(gather))
     if reduce:
       self.sow(COMM_COLLECTION, "reduce_bits", bits_const(reduce))

@@ -116,6 +116,40 @@ def _rank(
                  error_feedback=ef, **extra)
 
 
+@register_method(
+    "accordion_rank_dad",
+    Arg("high", int, within="[2, inf)", doc="rank in critical regimes"),
+    Arg("low", int, within="[1, inf)", doc="rank otherwise (< high)"),
+    Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
+    Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
+    Arg("window", int, within="[1, inf)", positional=False,
+        doc="steps per detector window (none: the run's steps per epoch)"),
+    Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
+    Arg("eta", float, within="(0, inf)", positional=False, doc="critical threshold"),
+)
+def _accordion_rank(
+    high: int,
+    low: int,
+    warm: bool = False,
+    ef: bool = False,
+    window: int | None = None,
+    interval: int = 1,
+    eta: float = 0.5,
+    *,
+    axis_name: str | None = "data",
+    seed: int = 0,
+    other=None,
+    steps_per_epoch: int | None = None,
+    lr_schedule=None,
+) -> Method:
+  """rank-dAD under Accordion: each layer's rank is HIGH in critical regimes, else LOW."""
+  if window is None:
+    window = steps_per_epoch if steps_per_epoch is not None else 1
+  return _method(other, axis_name, seed, mode="rank", rank=high, rank_low=low,
+                 warm_start=warm, error_feedback=ef, accordion_window=window,
+                 accordion_interval=interval, accordion_eta=eta, lr_schedule=lr_schedule)
+
+
 def is_method(spec: str) -> bool:
   """Whether ``spec`` names a dAD method (``dad``, ``auto_dad``, ``rank_dad:R``, ...)."""
   try:

@@ -1,0 +1,159 @@
+"""rank-dAD under Accordion: a layer's rank switches between two values.
+
+A :class:`~dadjax.dad.Dense` layer with ``mode="rank"`` and ``rank_low`` set
+factorizes its local ``A^T D`` at rank ``rank`` (the high rank) every step
+and keeps only the first ``rank_low`` components when its detector says the
+layer is *not* in a critical regime. The components of the structured power
+iteration do not depend on later ones, so the masked factorization equals
+the rank-``rank_low`` factorization: the lower rank is a runtime mask, not a
+recompilation. The factors travel in one all-gather whose size follows the
+decision (a ``lax.cond`` on a value equal on every site, so every site issues
+the same collective): ``rank_low (d_in + d_out)`` numbers in the low-rank
+branch instead of ``rank (d_in + d_out)``.
+
+The detector is Accordion's (:mod:`dadjax.adaptive`), kept in the layer's
+``"dad_state"``: the window statistic is built from the captured ``A`` and
+``D`` without forming the gradient, ``||A^T D||_F^2 = tr(A A^T D D^T)``
+(the two n x n Gram matrices; the gradient itself is formed instead when
+that is cheaper, ``n (d_in + d_out) > d_in d_out``). The layer never holds
+its local gradient, so a window is summarized by the root of the summed
+per-step squared norms, ``sqrt(sum_t ||A_t^T D_t||_F^2)``, not by the norm
+of the summed gradient that the optimizer-side detector uses; each site adds
+its window statistic as one more number to the factors it gathers every
+step (32 bits), and at a window end every site takes the same mean. A check
+every ``interval`` windows compares it with the previous check's:
+critical (high rank) when ``|old - new| / old >= eta``; a decrease of
+``lr_schedule`` makes the layer critical until the next check; the first
+window runs at the high rank.
+
+References:
+  Agarwal et al., "Accordion: Adaptive Gradient Communication via Critical
+  Learning Regime Identification", MLSys 2021 (https://arxiv.org/abs/2010.16248);
+  Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
+  Differentiation" (https://arxiv.org/abs/2102.09631).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dadjax.adaptive._detector import is_critical, lr_decreased
+from dadjax.adaptive._vary import cond
+from dadjax.comm import gather_sites
+
+# Extra "dad_state" fields of a layer under Accordion (float32 like the rest).
+FIELDS = ("critical", "win_sq", "win_steps", "windows", "ref_norm", "norm", "rank_used")
+
+
+def init_fields() -> dict[str, jax.Array]:
+  """The detector's initial state: critical (high rank), empty window."""
+  state = {k: jnp.zeros((), jnp.float32) for k in FIELDS}
+  state["critical"] = jnp.ones((), jnp.float32)
+  return state
+
+
+def high_rank_now(config, cur: dict[str, jax.Array]) -> jax.Array:
+  """Whether this step runs at the high rank: the last decision, or an LR decrease now.
+
+  Before the first step (``step == 0``, when :func:`current_state` reads the
+  fresh state as zeros) the layer is critical.
+  """
+  high = (cur["critical"] > 0.5) | (cur["step"] < 0.5)
+  if config.lr_schedule is not None:
+    high = high | lr_decreased(config.lr_schedule, cur["step"].astype(jnp.int32))
+  return high
+
+
+def squared_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
+  """``||a.T @ d||_F^2``; through the Gram matrices ``tr(a a^T d d^T)`` when cheaper."""
+  n, d_in = a.shape
+  d_out = d.shape[1]
+  dot = functools.partial(jnp.dot, precision=precision)
+  a, d = a.astype(jnp.float32), d.astype(jnp.float32)
+  if n * (d_in + d_out) <= d_in * d_out:
+    return jnp.sum(dot(a, a.T) * dot(d, d.T))
+  g = dot(a.T, d)
+  return jnp.sum(g * g)
+
+
+def gather_factors(config, fac_u, fac_v, bias_sum, stat, high, invariant):
+  """All-gather the kept factors, ``D``'s column sums and the window statistic.
+
+  Returns ``(sum_s u_s v_s^T, sum_s bias_sum_s, mean_s stat_s)``; the gather
+  carries ``rank`` or ``rank_low`` components as ``high`` says.
+  """
+  axis = config.axis_name
+  d_in, d_out = fac_u.shape[0], fac_v.shape[0]
+
+  def send(r):
+    def run(ops):
+      u, v, b, s = ops
+      payload = jnp.concatenate([u[:, :r].ravel(), v[:, :r].ravel(), b, s[None]])
+      gathered = gather_sites(payload, axis, invariant=invariant)
+      n = gathered.shape[0]
+      u_all = gathered[:, :d_in * r].reshape(n, d_in, r)
+      v_all = gathered[:, d_in * r:(d_in + d_out) * r].reshape(n, d_out, r)
+      one_way = jnp.einsum("sir,sor->io", u_all, v_all, precision=config.precision)
+      return (one_way, jnp.sum(gathered[:, (d_in + d_out) * r:-1], axis=0),
+              jnp.mean(gathered[:, -1]))
+    return run
+
+  return cond(high, send(config.rank), send(config.rank_low),
+              (fac_u, fac_v, bias_sum, stat.astype(fac_u.dtype)))
+
+
+def detector_step(config, cur, high, win_sq, mean):
+  """Close the step's window accounting; at a window end decide the next step's rank.
+
+  Args:
+    config: the layer's ``DadConfig``.
+    cur: the current state (``current_state``).
+    high: this step's decision (after an LR decrease).
+    win_sq: this site's summed squared norms of the window so far, this step included.
+    mean: the sites' mean of ``sqrt(win_sq)`` (equal on every site).
+
+  Returns:
+    The detector's new state fields.
+  """
+  steps = cur["win_steps"] + 1
+  end = steps >= config.window
+  windows = jnp.round(cur["windows"])
+  check = end & (jnp.mod(windows, config.interval) == 0)
+  critical = jnp.where(check, is_critical(cur["ref_norm"], mean, config.eta), high)
+  return {
+      "critical": critical.astype(jnp.float32),
+      "win_sq": jnp.where(end, 0.0, win_sq),
+      "win_steps": jnp.where(end, 0.0, steps),
+      "windows": windows + end.astype(jnp.float32),
+      "ref_norm": jnp.where(check, mean, cur["ref_norm"]),
+      "norm": jnp.where(end, mean, cur["norm"]),
+      "rank_used": jnp.where(high, config.rank, config.rank_low).astype(jnp.float32),
+  }
+
+
+def rank_dad_accordion(config, a, d, cur, invariant, scale, factorize):
+  """rank-dAD with the detector's rank (one-way aggregation): ``(gk, gb, extra)``."""
+  r_high = config.rank
+  dot = functools.partial(jnp.dot, precision=config.precision)
+  high = high_rank_now(config, cur)
+  step = cur["step"].astype(jnp.int32)
+  # The same key as static rank-dAD: component k starts from fold_in(key, k).
+  key_local, _ = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), step))
+  memory = cur.get("memory")
+  fac = factorize(a, d, rank=r_high, iters=config.iters, tol=config.tol, key=key_local,
+                  init=cur.get("basis"), memory=memory, precision=config.precision)
+  keep = jnp.arange(r_high) < jnp.where(high, r_high, config.rank_low)
+  u, v = fac.u * keep, fac.v * keep
+  bias_sum = jnp.sum(d, axis=0).astype(fac.u.dtype)
+  win_sq = cur["win_sq"] + squared_norm(a, d, config.precision)
+  one_way, gb, mean = gather_factors(config, u, v, bias_sum, jnp.sqrt(win_sq), high, invariant)
+  extra = detector_step(config, cur, high, win_sq, mean)
+  extra["rank"] = jnp.sum((fac.sigma > 0) & keep).astype(jnp.float32)
+  if config.warm_start:
+    extra["basis"] = v
+  if config.error_feedback:
+    extra["memory"] = dot(a.T, d) + memory - dot(u, v.T)
+  return one_way * scale, gb * scale, extra
