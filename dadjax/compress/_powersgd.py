@@ -9,23 +9,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dadjax._linalg import orthogonalize
 from dadjax._tree_utils import tree_nbits
 from dadjax.comm import axis_size, sum_over_sites
 from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
-
-# A column whose norm falls below this fraction of its norm before
-# orthogonalization is numerically dependent on the previous ones (or zero)
-# and is dropped (set to 0), so rank-deficient or zero gradients give no NaN.
-_DEPENDENT = 1e-4
-
 
 class PowerSGDState(NamedTuple):
   """Per group of same-shape matrices: warm-start ``q`` and residual ``memory``.
 
   Attributes:
-    q: one ``(B, n, r)`` array per group (the sites' mean ``Q`` of the last
-      step); empty without warm start. A zero column is re-drawn from the
-      shared key (this is also how the first step is initialized).
+    q: one ``(B, n, r)`` array per group: the sites' mean ``Q`` of the last
+      step, orthonormalized (the same span, at unit scale, so that repeated
+      steps on tiny gradients cannot underflow); empty without warm start.
+      A zero column is re-drawn from the shared key (this is also how the
+      first step is initialized).
     memory: one ``(B, m, n)`` array per group (error feedback); empty when
       error feedback is off.
   """
@@ -71,36 +68,6 @@ def _make_plan(shapes, rank: int, min_compression_rate: float) -> _Plan:
   return _Plan(tuple(_Group(m, n, r, tuple(ix)) for (m, n, r), ix in groups.items()), tuple(raw))
 
 
-def orthogonalize(p: jax.Array) -> jax.Array:
-  """Gram-Schmidt on the columns of ``p`` (..., m, r), NaN-free.
-
-  Column ``i`` is projected off the already orthonormal columns ``0..i-1``
-  twice (classical Gram-Schmidt with re-orthogonalization, as accurate as
-  modified Gram-Schmidt and two matrix products per column), then
-  normalized; a column that is zero or dependent on the previous ones
-  becomes 0 instead of noise or NaN.
-
-  Args:
-    p: a (batch of) tall matrices.
-
-  Returns:
-    Same shape; non-zero columns orthonormal.
-  """
-  r = p.shape[-1]
-  cols = []
-  for i in range(r):
-    v = p[..., i]
-    before = jnp.linalg.norm(v, axis=-1, keepdims=True)
-    if cols:
-      done = jnp.stack(cols, axis=-1)  # (..., m, i)
-      for _ in range(2):
-        v = v - jnp.einsum("...mi,...i->...m", done, jnp.einsum("...mi,...m->...i", done, v))
-    after = jnp.linalg.norm(v, axis=-1, keepdims=True)
-    keep = after > _DEPENDENT * before
-    cols.append(jnp.where(keep, v / jnp.where(keep, after, 1.0), 0.0))
-  return jnp.stack(cols, axis=-1)
-
-
 def powersgd(
     rank: int = 2,
     iters: int = 1,
@@ -119,8 +86,9 @@ def powersgd(
   than 2 dimensions, or where ``min_compression_rate * r (m + n) >= m n``,
   are all-reduced uncompressed in fp32 (together with the first ``P``).
 
-  With ``warm_start`` the all-reduced ``Q`` is kept in the state and starts
-  the next step's iteration; otherwise (and on the first step, and for any
+  With ``warm_start`` the all-reduced ``Q``, orthonormalized (which keeps
+  its span, so ``P`` is unchanged after orthogonalization, and keeps it at
+  unit scale), is kept in the state and starts the next step's iteration; otherwise (and on the first step, and for any
   column that became zero) ``Q`` is drawn from a normal distribution with
   the key shared by all sites. With ``error_feedback`` the state keeps, as
   the paper's reference implementation does, ``e = M - P Q^T / num_sites``
@@ -218,7 +186,7 @@ def powersgd(
       mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
 
     new_state = PowerSGDState(
-        tuple(q / num_sites for q in qs) if warm_start else (),
+        tuple(orthogonalize(q / num_sites) for q in qs) if warm_start else (),
         tuple(memory) if error_feedback else ())
     traffic = Traffic(reduce=tree_nbits(sent), gather=0, reduce_calls=len(sent), gather_calls=0)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
