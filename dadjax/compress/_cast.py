@@ -60,7 +60,7 @@ def cast(dtype="bf16") -> Compressor:
     del key
     return payload.astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "reduce")
+  return leafwise(compress_leaf, decompress_leaf, "reduce", name=f"cast_{wire.name}")
 
 
 def identity() -> Compressor:

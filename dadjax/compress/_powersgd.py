@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._linalg import orthogonalize
-from dadjax._tree_utils import tree_nbits
+from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import axis_size, sum_over_sites
-from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
+from dadjax.compress._base import (Compressor, Exchanged, Keys, Traffic, as_keys, check_int,
+                                   derive_key)
+
 
 class PowerSGDState(NamedTuple):
   """Per group of same-shape matrices: warm-start ``q`` and residual ``memory``.
@@ -130,13 +132,18 @@ def powersgd(
                       min_compression_rate)
 
   def init(params):
+    check_float_leaves(params, "powersgd")
     plan = plan_of(params)
     q = tuple(jnp.zeros((len(g.leaves), g.n, g.r), jnp.float32) for g in plan.groups)
     memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
     return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
 
-  def start_q(gi, g, state, key: Keys):
-    fresh = jax.random.normal(jax.random.fold_in(key.shared, gi), (len(g.leaves), g.n, g.r))
+  def start_q(gi, g, state, key: Keys, grads):
+    # Keyed by the group's first leaf path: independent of which other
+    # leaves this transform sees (e.g. under optax.partition).
+    path = leaf_path(jax.tree_util.tree_flatten_with_path(grads)[0][g.leaves[0]][0])
+    fresh = jax.random.normal(derive_key(key.shared, "powersgd", "start_q", path),
+                              (len(g.leaves), g.n, g.r))
     if not warm_start:
       return fresh
     prev = state.q[gi]
@@ -159,7 +166,7 @@ def powersgd(
     for gi, g in enumerate(plan.groups):
       m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
       ms.append(m + state.memory[gi] if error_feedback else m)
-    qs = [start_q(gi, g, state, key) for gi, g in enumerate(plan.groups)]
+    qs = [start_q(gi, g, state, key, grads) for gi, g in enumerate(plan.groups)]
     raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
     raw_sum = psum(raw) if raw and not ms else raw
     ps, q_local = [], []
@@ -194,6 +201,7 @@ def powersgd(
     return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)
 
   def compress(grads, state, key):
+    check_float_leaves(grads, "powersgd")
     out, payload = run(grads, state, key, None)
     return payload, out.state
 
@@ -214,6 +222,8 @@ def powersgd(
     return iters * tree_nbits((payload.p, payload.q)) + tree_nbits(payload.raw)
 
   def exchange_fn(grads, state, key, axis_name):
+    check_float_leaves(grads, "powersgd")
     return run(grads, state, key, axis_name)[0]
 
-  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn)
+  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn,
+                    memory=error_feedback)
