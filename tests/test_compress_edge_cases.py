@@ -17,6 +17,7 @@ import dadjax
 from dadjax import compress as C
 from dadjax import dad
 from dadjax._linalg import orthogonalize
+from dadjax.compress._base import leaf_keys
 
 AXIS = "sites"
 SPECS = ["identity", "bf16", "fp16", "topk:0.5", "randomk:0.5", "qsgd:4", "terngrad", "sign",
@@ -139,8 +140,8 @@ def test_site_keys_are_separate_from_shared_and_leaf_keys():
 
   def site(_):
     keys = C.step_keys(0, jnp.int32(3), AXIS)
-    leaves = [C.leaf_keys(keys, i) for i in range(n)]
-    leaves += [C.leaf_keys(keys, p, "qsgd") for p in ("a", "b")]
+    leaves = [leaf_keys(keys, i) for i in range(n)]
+    leaves += [leaf_keys(keys, p, "qsgd") for p in ("a", "b")]
     data = jax.random.key_data
     return (data(keys.shared), data(keys.site), jnp.stack([data(k.shared) for k in leaves]),
             jnp.stack([data(k.site) for k in leaves]))

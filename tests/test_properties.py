@@ -2,8 +2,7 @@
 
 On random pytrees of random shapes (including 0-size and scalar leaves) and
 float dtypes (float32, bfloat16, float16), compress + decompress on one
-site (``axis_name=None``, no jit: each op is compiled once per shape and
-cached) must:
+site (``axis_name=None``, one cached ``jax.jit`` per compressor) must:
 
 * raise nothing but the documented ``ValueError`` (non-float leaves);
 * return the gradients' structure, shapes and dtypes, with no NaN or inf;
@@ -17,6 +16,7 @@ cached) must:
   coordinate (normal approximation).
 """
 
+import functools
 import math
 
 import jax
@@ -68,11 +68,24 @@ def pytrees(draw, leaf=leaves()):
   return tree
 
 
-def _run(c, tree, key, steps=2):
+@functools.lru_cache(maxsize=None)
+def _exchange(c):
+  return jax.jit(lambda tree, state, key: C.exchange(c, tree, state, key, None))
+
+
+@functools.lru_cache(maxsize=None)
+def _compressor(spec):
+  if spec == "full_rank_powersgd":  # rank 6 >= min(m, n) of every shape drawn
+    return C.powersgd(rank=6, error_feedback=False, min_compression_rate=0.0)
+  return C.get_compressor(spec)
+
+
+def _run(spec, tree, key, steps=2):
   """``steps`` compress + decompress rounds on one site; the last output."""
+  c = _compressor(spec)
   state = c.init(tree)
   for step in range(steps):
-    out = C.exchange(c, tree, state, jax.random.fold_in(key, step), None)
+    out = _exchange(c)(tree, state, jax.random.fold_in(key, step))
     state = out.state
   return out
 
@@ -84,20 +97,18 @@ def _assert_finite_like(out, tree):
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
 
 
-@settings(**SETTINGS)
+@settings(**{**SETTINGS, "max_examples": 10})
 @given(spec=st.sampled_from(SPECS), tree=pytrees(), seed=st.integers(0, 2**31 - 1))
 def test_every_compressor_is_finite_and_keeps_the_tree(spec, tree, seed):
-  c = C.get_compressor(spec)
-  with jax.disable_jit():
-    out = _run(c, tree, jax.random.key(seed))
+  out = _run(spec, tree, jax.random.key(seed))
   _assert_finite_like(out.mean, tree)
   _assert_finite_like(out.local, tree)
   for leaf in jax.tree.leaves(out.state):
     assert np.all(np.isfinite(np.asarray(leaf, np.float32)))
-  bits = c.bits(c.compress(tree, c.init(tree), jax.random.key(seed))[0])
-  assert int(bits) >= 0
+  bits = int(out.traffic.reduce) + int(out.traffic.gather)
+  assert bits >= 0
   if all(math.prod(x.shape) == 0 for x in jax.tree.leaves(tree)):
-    assert int(bits) == 0
+    assert bits == 0  # empty leaves send nothing
 
 
 @settings(**SETTINGS)
@@ -105,27 +116,20 @@ def test_every_compressor_is_finite_and_keeps_the_tree(spec, tree, seed):
        tree=pytrees(leaves(dtypes=FLOATS + [jnp.int32, jnp.int8, jnp.bool_])),
        seed=st.integers(0, 2**31 - 1))
 def test_only_non_float_leaves_raise_and_with_a_value_error(spec, tree, seed):
-  c = C.get_compressor(spec)
   floats = all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(tree))
-  with jax.disable_jit():
-    if floats:
-      _assert_finite_like(_run(c, tree, jax.random.key(seed), steps=1).mean, tree)
-    else:
-      with pytest.raises(ValueError, match="has dtype"):
-        _run(c, tree, jax.random.key(seed), steps=1)
+  if floats:
+    _assert_finite_like(_run(spec, tree, jax.random.key(seed), steps=1).mean, tree)
+  else:
+    with pytest.raises(ValueError, match="has dtype"):
+      _run(spec, tree, jax.random.key(seed), steps=1)
 
 
-@settings(**SETTINGS)
+@settings(**{**SETTINGS, "max_examples": 8})
 @given(spec=st.sampled_from(["identity", "topk:1", "randomk:1", "full_rank_powersgd",
                              "ef_topk:1", "ef_randomk:1"]),
        tree=pytrees(), seed=st.integers(0, 2**31 - 1))
 def test_ratio_one_and_full_rank_are_the_identity(spec, tree, seed):
-  if spec == "full_rank_powersgd":
-    c = C.powersgd(rank=6, error_feedback=False, min_compression_rate=0.0)  # 6 >= every min(m, n)
-  else:
-    c = C.get_compressor(spec)
-  with jax.disable_jit():
-    out = _run(c, tree, jax.random.key(seed)).mean
+  out = _run(spec, tree, jax.random.key(seed), steps=1).mean
   for o, x in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
     xf, of = np.asarray(x, np.float32), np.asarray(o, np.float32)
     if spec != "full_rank_powersgd":  # exact: values travel unchanged
