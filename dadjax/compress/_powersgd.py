@@ -89,10 +89,11 @@ def powersgd(
   are all-reduced uncompressed in fp32 (together with the first ``P``).
 
   With ``warm_start`` the all-reduced ``Q``, orthonormalized (which keeps
-  its span, so ``P`` is unchanged after orthogonalization, and keeps it at
-  unit scale), is kept in the state and starts the next step's iteration; otherwise (and on the first step, and for any
-  column that became zero) ``Q`` is drawn from a normal distribution with
-  the key shared by all sites. With ``error_feedback`` the state keeps, as
+  its span, so the next orthogonalized ``P`` is unchanged, and keeps it at
+  unit scale, so tiny gradients cannot underflow over the steps), is kept
+  in the state and starts the next step's iteration; otherwise (and on the
+  first step, and for any column that became zero) ``Q`` is drawn from a
+  normal distribution with the key shared by all sites. With ``error_feedback`` the state keeps, as
   the paper's reference implementation does, ``e = M - P Q^T / num_sites``
   (this site's corrected gradient minus the applied average) and adds it to
   the next gradient.
@@ -103,7 +104,8 @@ def powersgd(
     iters: power iterations per step, ``>= 1`` (each costs two all-reduces);
       the paper uses 1 with warm start.
     warm_start: reuse the last ``Q``.
-    error_feedback: keep the residual memory.
+    error_feedback: keep the residual memory (then the compressor's
+      ``memory`` is ``True`` and :func:`error_feedback` leaves it as is).
     min_compression_rate: compress a matrix only when
       ``min_compression_rate * r * (m + n) < m * n``; ``>= 0`` (0 compresses
       every matrix, PyTorch's hook uses 2).
