@@ -51,7 +51,7 @@ from dadjax.comm._collectives import axis_size
 from dadjax.comm._metered import NO_TRAFFIC, Traffic, metered_all_gather, traffic_add
 from dadjax.compress._base import Compressor, Keys, exchange
 from dadjax.compress._packing import code_bits
-from dadjax.compress._spec import get_compressor
+from dadjax.registry import get_compressor
 from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
                                         merge_codebooks)
 from dadjax.dataquant._correction import correction_term, rescale
