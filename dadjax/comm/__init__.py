@@ -22,6 +22,17 @@ from dadjax.comm._collectives import (
     sum_over_sites,
 )
 from dadjax.comm._cost import NetworkModel
+from dadjax.comm._hlo import CollectiveOps, compiled_collectives, hlo_collectives
+from dadjax.comm._vma import (
+    COMM_COLLECTION,
+    STATE_COLLECTION,
+    is_varying,
+    to_varying,
+    tree_to_varying,
+    tree_vma,
+    vma,
+)
+from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits, wire_factor
 from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._tree_utils import tree_nbits
-from dadjax.comm import axis_size, sum_over_sites
+from dadjax.comm import axis_size, metered_psum, traffic_add
 from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
 
 # A column whose norm falls below this fraction of its norm before
@@ -181,11 +181,12 @@ def powersgd(
     leaves, treedef = jax.tree.flatten(grads)
     plan = plan_of(grads)
     num_sites = axis_size(axis_name)
-    sent = []  # every array handed to a psum, for the ledger
+    sent = []  # the Traffic of every psum, for the ledger
 
     def psum(tree):
-      sent.extend(jax.tree.leaves(tree))
-      return sum_over_sites(tree, axis_name)
+      out, traffic = metered_psum(tree, axis_name)
+      sent.append(traffic)
+      return out
 
     ms = []
     for gi, g in enumerate(plan.groups):
@@ -220,7 +221,7 @@ def powersgd(
     new_state = PowerSGDState(
         tuple(q / num_sites for q in qs) if warm_start else (),
         tuple(memory) if error_feedback else ())
-    traffic = Traffic(reduce=tree_nbits(sent), gather=0, reduce_calls=len(sent), gather_calls=0)
+    traffic = traffic_add(*sent)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
                     new_state, traffic)
     return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)

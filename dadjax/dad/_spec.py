@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import optax
 
-from dadjax.dad._dense import DadConfig, Dense
+from dadjax.dad._config import DadConfig
+from dadjax.dad._module import Dense
 from dadjax._tree_utils import path_names
 from dadjax.dad._sync import synchronize
 

@@ -39,11 +39,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax.comm import host_array, mean_over_sites
+from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION, host_array, mean_over_sites
 from dadjax.parallel._mesh import make_mesh
 
-COMM_COLLECTION = "comm"
-STATE_COLLECTION = "dad_state"
 BACKENDS = ("shard_map", "pmap", "vmap")
 
 
@@ -89,6 +87,7 @@ class TrainStep:
   backend: str
   mesh: Any
   _run: Callable
+  _hlo_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def init(self, key: jax.Array, sample_x: Any) -> TrainState:
     """Initialize parameters from ``key`` and replicate them over the sites."""
@@ -134,6 +133,26 @@ class TrainStep:
           batch)
     split = jax.tree.map(lambda x: np.reshape(np.asarray(x), (self.num_sites, -1) + np.shape(x)[1:]), batch)
     return split if self.backend == "pmap" else jax.tree.map(jnp.asarray, split)
+
+  def collectives(self, state: TrainState, batch: Any):
+    """The collective ops the compiled step runs, read from its optimized HLO.
+
+    Lowers and compiles the step once for these shapes (cached) and returns
+    a :class:`~dadjax.comm.CollectiveOps`: per kind, the op count and
+    operand bytes per site. Pass it to ``NetworkModel.step_time(summary,
+    ops=...)`` to charge latency per compiled op. The count includes the
+    step's own metric all-reduces, and ops under ``lax.cond`` (both branches
+    are compiled; see ``conditional_count``). ``backend="vmap"`` simulates
+    the sites on one device: its program has no collective ops.
+    """
+    from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
+    placed = self.place_batch(batch)
+    key = tuple((np.shape(x), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
+                for x in jax.tree.leaves((state, placed)))
+    cache = self._hlo_cache
+    if key not in cache:
+      cache[key] = hlo_collectives(self._run.lower(state, placed).compile().as_text())
+    return cache[key]
 
   def params(self, state: TrainState, site: int = 0) -> Any:
     """One site's parameters as host arrays (all sites hold the same)."""
