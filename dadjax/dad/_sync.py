@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
