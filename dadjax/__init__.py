@@ -7,7 +7,7 @@ behind one SPMD train step and one bit ledger.
 
 from dadjax import comm, compress, dad, parallel
 from dadjax.compress import compressed, get_compressor
-from dadjax.comm import CommStats, CommSummary, NetworkModel, allreduce, comm_stats
+from dadjax.comm import CommStats, CommSummary, NetworkModel, accumulate, allreduce, comm_stats
 from dadjax.parallel import TrainState, initialize, make_mesh, make_train_step
 
 __version__ = "0.1.0"

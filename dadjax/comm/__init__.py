@@ -21,6 +21,7 @@ from dadjax.comm._collectives import (
     site_index,
     sum_over_sites,
 )
+from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._cost import NetworkModel
 from dadjax.comm._hlo import CollectiveOps, compiled_collectives, hlo_collectives
 from dadjax.comm._vma import (

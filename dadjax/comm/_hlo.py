@@ -29,7 +29,7 @@ _BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2"
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _CALLED = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
                      r"false_computation=%?([\w.\-]+)|body=%?([\w.\-]+)|condition=%?([\w.\-]+)|"
                      r"to_apply=%?([\w.\-]+)|calls=%?([\w.\-]+))")
@@ -119,8 +119,8 @@ def hlo_collectives(hlo_text: str) -> CollectiveOps:
   for line in hlo_text.splitlines():
     parts = _split_instruction(line)
     if parts is None:
-      head = _COMPUTATION.match(line)
-      if head and "=" not in line.split("{")[0]:
+      head = _COMPUTATION.match(line)  # a computation starts at column 0
+      if head and line.rstrip().endswith("{"):
         current = head.group(1)
       continue
     name, type_text, opcode, operands, attrs = parts
