@@ -28,6 +28,7 @@ _BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2"
           "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _CALLED = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
@@ -117,6 +118,7 @@ def hlo_collectives(hlo_text: str) -> CollectiveOps:
   branches: set = set()
   current = None
   for line in hlo_text.splitlines():
+    line = _COMMENT.sub("", line)  # /*index=5*/ markers in long operand lists
     parts = _split_instruction(line)
     if parts is None:
       head = _COMPUTATION.match(line)  # a computation starts at column 0
