@@ -240,12 +240,17 @@ def synchronize(
   (``dense`` = the fp32 size of the dAD leaves); ``other`` keeps its own
   ledger, and :func:`dadjax.comm_stats` sums both.
 
-  Gradient accumulation: inside ``optax.MultiSteps`` the inner state is
-  kept only on the k-th call, but dAD layers communicate on every
-  microbatch. Count their bits outside the accumulator::
+  Gradient accumulation: dAD layers communicate in every backward pass,
+  i.e. on every micro-step, while the other leaves need one collective per
+  optimizer step. Put :func:`dadjax.accumulate` inside and count the
+  layers' bits outside it; :func:`dadjax.comm_stats` combines the two
+  rates into bits per optimizer step::
 
-      optax.chain(dadjax.dad.model_ledger(), optax.MultiSteps(
+      optax.chain(dadjax.dad.model_ledger(), dadjax.accumulate(
           optax.chain(synchronize(mask, record_model_comm=False), opt), k))
+
+  (``optax.MultiSteps`` instead runs ``other``'s collective on every
+  micro-step, and under ``shard_map(check_vma=True)`` it does not trace.)
 
   Args:
     mask: pytree of bools over the parameters (:func:`layer_mask`), or a
@@ -294,7 +299,7 @@ def model_ledger() -> optax.GradientTransformationExtraArgs:
   """Identity on the updates; records the ``model_comm`` bits of every call.
 
   For gradient accumulation, where :func:`synchronize` sits inside
-  ``optax.MultiSteps`` and would see only every k-th call (see there).
+  :func:`dadjax.accumulate` and sees only every k-th call (see there).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a ledger in its state.
