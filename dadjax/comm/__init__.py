@@ -1,4 +1,17 @@
-"""Collectives over named axes, the bit ledger and the network cost model."""
+"""Collectives over named axes, the bit ledger and the network cost model.
+
+* metered collectives (``metered_psum`` / ``metered_pmean`` /
+  ``metered_all_gather``): every collective in dadjax returns its result and
+  the payload it moved (:class:`Traffic`);
+* the ledger (:class:`CommStats`, :func:`comm_stats`): payload bits per
+  collective kind, per site and step;
+* wire bits per topology (:func:`wire_bits`) and the alpha-beta
+  :class:`NetworkModel`;
+* the compiled program's collective ops (:func:`hlo_collectives`);
+* :func:`accumulate`: gradient accumulation with one collective per
+  optimizer step;
+* variance typing under ``shard_map`` and the shared collection names.
+"""
 
 from dadjax.comm._bits import (
     Bits,
