@@ -87,7 +87,6 @@ class TrainStep:
   backend: str
   mesh: Any
   _run: Callable
-  _hlo_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def init(self, key: jax.Array, sample_x: Any) -> TrainState:
     """Initialize parameters from ``key`` and replicate them over the sites."""
@@ -137,7 +136,7 @@ class TrainStep:
   def collectives(self, state: TrainState, batch: Any):
     """The collective ops the compiled step runs, read from its optimized HLO.
 
-    Lowers and compiles the step once for these shapes (cached) and returns
+    Lowers and compiles the step once for these shapes and returns
     a :class:`~dadjax.comm.CollectiveOps`: per kind, the op count and
     operand bytes per site. Pass it to ``NetworkModel.step_time(summary,
     ops=...)`` to charge latency per compiled op. The count includes the
@@ -146,13 +145,7 @@ class TrainStep:
     the sites on one device: its program has no collective ops.
     """
     from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
-    placed = self.place_batch(batch)
-    key = tuple((np.shape(x), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
-                for x in jax.tree.leaves((state, placed)))
-    cache = self._hlo_cache
-    if key not in cache:
-      cache[key] = hlo_collectives(self._run.lower(state, placed).compile().as_text())
-    return cache[key]
+    return hlo_collectives(self._run.lower(state, self.place_batch(batch)).compile().as_text())
 
   def params(self, state: TrainState, site: int = 0) -> Any:
     """One site's parameters as host arrays (all sites hold the same)."""
