@@ -20,6 +20,7 @@ N = 2).
 Run (about a minute per method on a laptop CPU):
 
     python experiments/scaling.py --steps 30 --out experiments/results
+    python experiments/scaling.py --steps 20 --hidden 512,512 --name scaling_mlp512
 """
 
 from __future__ import annotations
@@ -132,33 +133,41 @@ def plot(measured, latency, path) -> None:
   plt.close(fig)
 
 
+def m_params(measured) -> int:
+  return measured["allreduce"]["summary"].dense_bits_per_step // 32
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--out", default="experiments/results")
   parser.add_argument("--latency", type=float, default=50e-6)
+  parser.add_argument("--hidden", default="64,64", help="MLP hidden widths, comma-separated")
+  parser.add_argument("--name", default="scaling", help="output file stem")
   args = parser.parse_args(argv)
   methods = args.methods.split(",")
   if "allreduce" not in methods:
     methods = ["allreduce"] + methods
-  base = Config(latency=args.latency)
+  hidden = tuple(int(h) for h in args.hidden.split(","))
+  base = Config(latency=args.latency, model_kwargs={"hidden": hidden})
   measured = measure(methods, args.steps, base)
   text = table(measured, args.latency)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  plot(measured, args.latency, out / "scaling.png")
+  plot(measured, args.latency, out / f"{args.name}.png")
   command = "python experiments/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
-  (out / "scaling.md").write_text(
+  (out / f"{args.name}.md").write_text(
       "# Where compression stops paying\n\n"
-      f"Command: `{command}` (digits MLP, {base.batch_per_site} rows per site, ledger from an "
+      f"Command: `{command}` (digits MLP hidden={hidden}, {base.batch_per_site} rows per site, "
+      f"{m_params(measured):,} parameters, ledger from an "
       f"8-site shard_map run of {args.steps} steps; compute time measured on one site of this "
       f"host's CPU).\n\n"
       "Each cell: the smallest N (of 2, 4, ..., 1024) from which the method's modeled step time "
       "(compute + communication, latency per compiled collective op) exceeds a bf16 all-reduce of "
       "the same tensors. `never`: it stays faster up to N = 1024; `always`: slower already at "
       "N = 2; `(not beyond)`: it becomes faster again at larger N.\n\n" + text +
-      "\n\n![modeled step time](scaling.png)\n")
+      f"\n\n![modeled step time]({args.name}.png)\n")
   print(text)
   return 0
 
