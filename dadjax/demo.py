@@ -58,8 +58,10 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bo
   config = runs[0].config
   n, topo = config.num_sites, config.topology
   network = NetworkModel(config.bandwidth, config.latency, n, topo)
-  lines = [f"| method | lr | test acc | payload bits/step/site | wire bits/step/site ({topo}, N={n}) "
-           f"| wire ratio vs fp32 | vs bf16 | modeled comm/step (s) | bits to {target_accuracy:g} acc "
+  lines = [f"| method | lr | test acc | payload bits/step/site "
+           f"| wire bits/step/site ({topo}, N={n}) "
+           f"| wire ratio vs fp32 | vs bf16 | modeled comm/step (s) "
+           f"| bits to {target_accuracy:g} acc "
            f"| modeled comm to {target_accuracy:g} acc (s) | wall (s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   fp32_row = bf16_row = None
@@ -76,16 +78,18 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bo
     bits_to = f"{reached[1]:,}" if reached else "-"
     time_to = f"{reached[0] * rep['time_s']:.3f}" if reached else "-"
     lines.append(f"| {row['method']} | {run.config.lr:g} | {row['test_accuracy']:.3f} | "
-                 f"{summary.bits_per_step:,} | {rep['wire_bits']:,.0f} | {rep['wire_ratio']:.1f}x | "
+                 f"{summary.bits_per_step:,} | {rep['wire_bits']:,.0f} | "
+                 f"{rep['wire_ratio']:.1f}x | "
                  f"{rep['wire_ratio_bf16']:.2f}x | {rep['time_s']:.4f} | {bits_to} | {time_to} | "
                  f"{row['wall_s']:.1f} |")
     fp32_row = fp32_row or (rep["fp32_wire_bits"], rep["fp32_time_s"])
     bf16_row = bf16_row or (rep["bf16_wire_bits"], rep["bf16_time_s"])
   lines.append("")
-  lines.append(f"Baselines for these tensors: an fp32 all-reduce moves {fp32_row[0]:,.0f} wire bits/site "
-               f"per step ({fp32_row[1]:.4f} s), a bf16 all-reduce {bf16_row[0]:,.0f} "
-               f"({bf16_row[1]:.4f} s). Ratios < 1 mean the method puts *more* bits on the wire than the "
-               f"baseline: an all-gather's wire bits grow with N, an all-reduce's do not.")
+  lines.append(f"Baselines for these tensors: an fp32 all-reduce moves {fp32_row[0]:,.0f} "
+               f"wire bits/site per step ({fp32_row[1]:.4f} s), a bf16 all-reduce "
+               f"{bf16_row[0]:,.0f} ({bf16_row[1]:.4f} s). Ratios < 1 mean the method puts *more* "
+               f"bits on the wire than the baseline: an all-gather's wire bits grow with N, an "
+               f"all-reduce's do not.")
   lines.append(f"Network model: {topo} at {config.bandwidth / 1e9:g} Gbit/s, "
                f"{config.latency * 1e6:g} us latency per message, N={n}; {config.steps} steps.")
   return "\n".join(lines)

@@ -99,7 +99,8 @@ def test_compiled_collectives_move_the_ledger_bits(spec, kind):
 
 
 def _resnet_params():
-  shapes = jax.eval_shape(lambda: ResNet18(width=4).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3))))
+  model = ResNet18(width=4)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3))))
   leaves, treedef = jax.tree.flatten(shapes["params"])
   assert len(leaves) == 62
   keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -222,7 +223,8 @@ def test_replicated_params_typing_collectives_are_booked(kw):
     grads, sown = jax.grad(loss, argnums=(0, 1), has_aux=True)(params, rest)
     return grads, sown
 
-  put = lambda tree, spec: jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, spec)), tree)
+  put = lambda tree, spec: jax.tree.map(
+      lambda v: jax.device_put(v, NamedSharding(mesh, spec)), tree)
   run = jax.jit(jax.shard_map(site, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
                               out_specs=P(), check_vma=True))
   args = (put(params, P()), put(variables, P()), put(x, P("data")), put(y, P("data")))

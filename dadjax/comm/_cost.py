@@ -64,7 +64,8 @@ class NetworkModel:
     if n == 1:
       return 0.0
     busiest = self.wire_bits(kind, bits) * link_load(n, self.topology)
-    return busiest / self.bandwidth + latency_messages(kind, n, self.topology) * self.latency * messages
+    messages_total = latency_messages(kind, n, self.topology) * messages
+    return busiest / self.bandwidth + messages_total * self.latency
 
   def allreduce_time(self, bits: int, messages: int = 1) -> float:
     """Seconds of ``messages`` all-reduce ops moving ``bits`` payload bits per site in all."""
@@ -91,7 +92,8 @@ class NetworkModel:
     return (self.allreduce_time(max(summary.reduce_bits), reduce_ops)
             + self.allgather_time(max(summary.gather_bits), gather_ops))
 
-  def baseline_time(self, summary: CommSummary, number_bits: int = FP32_BITS, ops: int = 1) -> float:
+  def baseline_time(self, summary: CommSummary, number_bits: int = FP32_BITS,
+                    ops: int = 1) -> float:
     """Seconds of an all-reduce of the same tensors in ``number_bits`` floats (fp32 or bf16)."""
     return self.allreduce_time(summary.dense_bits_per_step // FP32_BITS * number_bits, ops)
 

@@ -181,7 +181,8 @@ class CommSummary:
 
   def wire_bits(self, num_sites: int, topology: str = "ring") -> float:
     """Wire bits per site and optimizer step for ``num_sites`` sites (:mod:`~dadjax.comm._wire`)."""
-    return max(wire_bits("reduce", r, num_sites, topology) + wire_bits("gather", g, num_sites, topology)
+    return max(wire_bits("reduce", r, num_sites, topology)
+               + wire_bits("gather", g, num_sites, topology)
                for r, g in zip(self.reduce_bits, self.gather_bits))
 
   def fp32_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
@@ -211,7 +212,8 @@ class CommSummary:
 
   def headline(self, num_sites: int, topology: str = "ring") -> str:
     """The wire-based ratio with the topology and N it holds for, e.g. ``"12.3x (ring, N=8)"``."""
-    return f"{self.wire_ratio(num_sites, topology):.3g}x vs fp32 all-reduce ({topology}, N={num_sites})"
+    ratio = self.wire_ratio(num_sites, topology)
+    return f"{ratio:.3g}x vs fp32 all-reduce ({topology}, N={num_sites})"
 
 
 def _per_site(b: Bits) -> tuple[int, ...]:

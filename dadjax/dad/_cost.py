@@ -101,7 +101,8 @@ def choose_route(config: DadConfig, x, kernel, bias=None, state=None, *,
   reduce = route_traffic(bare, "allreduce", x, kernel, bias, state, num_sites=n).reduce
   if n == 1:  # nothing moves: fewer payload bits, ties to the all-reduce
     return "gather" if gather < reduce else "allreduce"
-  return "gather" if wire_bits("gather", gather, n) < wire_bits("reduce", reduce, n) else "allreduce"
+  cheaper = wire_bits("gather", gather, n) < wire_bits("reduce", reduce, n)
+  return "gather" if cheaper else "allreduce"
 
 
 def layer_route(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bool = True, *,
