@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from dadjax._tree_utils import SpecMemo, check_axis_name
 from dadjax.comm._ledger import CommStats, ledger_init, ledger_record, tree_dense_bits
 
 
@@ -66,6 +67,9 @@ def _all_gather_invariant(x, axis_name):
     return all_gather_invariant(x, axis_name)
 
 
+from dadjax.comm._metered import metered_pmean  # noqa: E402  (the wrappers use gather_sites)
+
+
 class AllReduceState(NamedTuple):
   comm: CommStats
 
@@ -74,7 +78,9 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   """Plain data-parallel averaging: fp32 mean of the gradients via ``psum``.
 
   The baseline every compressor is measured against; it also fills the
-  ledger: each site sends ``32 * num_params`` bits per step.
+  ledger: each site hands ``32 * num_params`` payload bits (fp32 leaves) to
+  one all-reduce call per step (XLA may split or merge it into several ops;
+  see :func:`~dadjax.comm.hlo_collectives`).
 
   Args:
     axis_name: the mesh axis the sites live on; ``None`` runs as one site.
@@ -82,21 +88,28 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   Returns:
     An ``optax.GradientTransformation`` with state :class:`AllReduceState`.
 
+  Raises:
+    ValueError: at construction for a bad ``axis_name``; at ``update`` if the
+      updates' structure, shapes or dtypes differ from the params at ``init``.
+
   References:
     Li et al., "PyTorch Distributed: Experiences on Accelerating Data
     Parallel Training", VLDB 2020 (https://arxiv.org/abs/2006.15704).
   """
+  axis_name = check_axis_name(axis_name)
+  specs = SpecMemo("allreduce")
 
   def init_fn(params):
-    del params
+    specs.record(params)
     return AllReduceState(ledger_init())
 
   def update_fn(updates, state, params=None):
     del params
-    updates = mean_over_sites(updates, axis_name)
-    bits = tree_dense_bits(updates)
-    comm = ledger_record(state.comm, reduce=bits, dense=bits,
-                         reduce_calls=len(jax.tree.leaves(updates)))
+    specs.check(updates)
+    dense = tree_dense_bits(updates)
+    updates, traffic = metered_pmean(updates, axis_name)
+    comm = ledger_record(state.comm, reduce=traffic.reduce, dense=dense,
+                         reduce_calls=traffic.reduce_calls)
     return updates, AllReduceState(comm)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -42,17 +42,9 @@ import jax.numpy as jnp
 
 from dadjax.adaptive._detector import is_critical, lr_decreased
 from dadjax.adaptive._vary import cond
-from dadjax.comm import gather_sites
-
-# Extra "dad_state" fields of a layer under Accordion (float32 like the rest).
-FIELDS = ("critical", "win_sq", "win_steps", "windows", "ref_norm", "norm", "rank_used")
-
-
-def init_fields() -> dict[str, jax.Array]:
-  """The detector's initial state: critical (high rank), empty window."""
-  state = {k: jnp.zeros((), jnp.float32) for k in FIELDS}
-  state["critical"] = jnp.ones((), jnp.float32)
-  return state
+from dadjax.comm import Bits, Traffic, bits_add, bits_const, bits_from_count, metered_all_gather
+from dadjax.dad._power import factorize
+from dadjax.dad._state import current_state
 
 
 def high_rank_now(config, cur: dict[str, jax.Array]) -> jax.Array:
@@ -67,6 +59,16 @@ def high_rank_now(config, cur: dict[str, jax.Array]) -> jax.Array:
   return high
 
 
+def accordion_gather_bits(config, high_bits: int, kernel_shape, dtype, state) -> Bits:
+  """The bits this step's gather carries: ``high_bits`` at the high rank, less
+  ``(rank - rank_low) (d_in + d_out)`` factor entries at the low one."""
+  d_in, d_out = kernel_shape
+  number = jnp.dtype(jnp.result_type(dtype, jnp.float32)).itemsize * 8
+  low_bits = high_bits - (config.rank - config.rank_low) * (d_in + d_out) * number
+  high = high_rank_now(config, current_state(state))
+  return bits_add(bits_const(low_bits), bits_from_count(high, high_bits - low_bits))
+
+
 def squared_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
   """``||a.T @ d||_F^2``; through the Gram matrices ``tr(a a^T d d^T)`` when cheaper."""
   n, d_in = a.shape
@@ -79,30 +81,37 @@ def squared_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
   return jnp.sum(g * g)
 
 
-def gather_factors(config, fac_u, fac_v, bias_sum, stat, high, invariant):
-  """All-gather the kept factors, ``D``'s column sums and the window statistic.
+def gather_factors(config, u, v, bias_sum, stat, high, invariant):
+  """All-gather the kept factors, ``D``'s column sums (or ``None``) and the window statistic.
 
-  Returns ``(sum_s u_s v_s^T, sum_s bias_sum_s, mean_s stat_s)``; the gather
-  carries ``rank`` or ``rank_low`` components as ``high`` says.
+  Returns ``((sum_s u_s v_s^T, sum_s bias_sum_s or None, mean_s stat_s),
+  traffic)``; the gather carries ``rank`` or ``rank_low`` components as
+  ``high`` says, and ``traffic`` is the high-rank branch's (the most the
+  compiled step sends; the layer reports the chosen branch's bits).
   """
   axis = config.axis_name
-  d_in, d_out = fac_u.shape[0], fac_v.shape[0]
+  d_in, d_out = u.shape[0], v.shape[0]
+  has_bias = bias_sum is not None
+  traffic = {}
 
   def send(r):
     def run(ops):
       u, v, b, s = ops
-      payload = jnp.concatenate([u[:, :r].ravel(), v[:, :r].ravel(), b, s[None]])
-      gathered = gather_sites(payload, axis, invariant=invariant)
+      parts = [u[:, :r].ravel(), v[:, :r].ravel()] + ([b] if has_bias else []) + [s[None]]
+      gathered, traffic[r] = metered_all_gather(jnp.concatenate(parts), axis,
+                                                invariant=invariant)
       n = gathered.shape[0]
       u_all = gathered[:, :d_in * r].reshape(n, d_in, r)
       v_all = gathered[:, d_in * r:(d_in + d_out) * r].reshape(n, d_out, r)
       one_way = jnp.einsum("sir,sor->io", u_all, v_all, precision=config.precision)
-      return (one_way, jnp.sum(gathered[:, (d_in + d_out) * r:-1], axis=0),
-              jnp.mean(gathered[:, -1]))
+      gb = jnp.sum(gathered[:, (d_in + d_out) * r:-1], axis=0) if has_bias else jnp.zeros(())
+      return one_way, gb, jnp.mean(gathered[:, -1])
     return run
 
-  return cond(high, send(config.rank), send(config.rank_low),
-              (fac_u, fac_v, bias_sum, stat.astype(fac_u.dtype)))
+  bias_op = bias_sum if has_bias else jnp.zeros((), u.dtype)
+  one_way, gb, mean = cond(high, send(config.rank), send(config.rank_low),
+                           (u, v, bias_op, stat.astype(u.dtype)))
+  return (one_way, gb if has_bias else None, mean), traffic[config.rank]
 
 
 def detector_step(config, cur, high, win_sq, mean):
@@ -119,10 +128,10 @@ def detector_step(config, cur, high, win_sq, mean):
     The detector's new state fields.
   """
   steps = cur["win_steps"] + 1
-  end = steps >= config.window
+  end = steps >= config.accordion_window
   windows = jnp.round(cur["windows"])
-  check = end & (jnp.mod(windows, config.interval) == 0)
-  critical = jnp.where(check, is_critical(cur["ref_norm"], mean, config.eta), high)
+  check = end & (jnp.mod(windows, config.accordion_interval) == 0)
+  critical = jnp.where(check, is_critical(cur["ref_norm"], mean, config.accordion_eta), high)
   return {
       "critical": critical.astype(jnp.float32),
       "win_sq": jnp.where(end, 0.0, win_sq),
@@ -134,8 +143,9 @@ def detector_step(config, cur, high, win_sq, mean):
   }
 
 
-def rank_dad_accordion(config, a, d, cur, invariant, scale, factorize):
-  """rank-dAD with the detector's rank (one-way aggregation): ``(gk, gb, extra)``."""
+def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
+                       ) -> tuple[jax.Array, jax.Array | None, dict, Traffic]:
+  """rank-dAD with the detector's rank (one-way): ``(gk, gb, extra_state, traffic)``."""
   r_high = config.rank
   dot = functools.partial(jnp.dot, precision=config.precision)
   high = high_rank_now(config, cur)
@@ -147,13 +157,14 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, factorize):
                   init=cur.get("basis"), memory=memory, precision=config.precision)
   keep = jnp.arange(r_high) < jnp.where(high, r_high, config.rank_low)
   u, v = fac.u * keep, fac.v * keep
-  bias_sum = jnp.sum(d, axis=0).astype(fac.u.dtype)
+  bias_sum = jnp.sum(d, axis=0).astype(fac.u.dtype) if has_bias else None
   win_sq = cur["win_sq"] + squared_norm(a, d, config.precision)
-  one_way, gb, mean = gather_factors(config, u, v, bias_sum, jnp.sqrt(win_sq), high, invariant)
+  (one_way, gb, mean), traffic = gather_factors(config, u, v, bias_sum, jnp.sqrt(win_sq), high,
+                                                invariant)
   extra = detector_step(config, cur, high, win_sq, mean)
   extra["rank"] = jnp.sum((fac.sigma > 0) & keep).astype(jnp.float32)
   if config.warm_start:
     extra["basis"] = v
   if config.error_feedback:
     extra["memory"] = dot(a.T, d) + memory - dot(u, v.T)
-  return one_way * scale, gb * scale, extra
+  return one_way * scale, None if gb is None else gb * scale, extra, traffic
