@@ -25,7 +25,7 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 notebooks: install
-	MPLBACKEND=Agg $(BIN)/jupyter execute --inplace --timeout=3600 notebooks/*.ipynb
+	$(BIN)/jupyter execute --inplace --timeout=3600 notebooks/*.ipynb
 
 clean:
 	rm -rf $(VENV) demo_out runs

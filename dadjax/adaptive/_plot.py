@@ -56,10 +56,9 @@ def plot_decisions(rows: Sequence[dict], path: Any = None, *, title: str = "Acco
     title: the figure title.
 
   Returns:
-    The matplotlib ``Figure`` (drawn with the Agg backend).
+    The matplotlib ``Figure`` (pyplot's backend: Agg without a display).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
+  # pyplot's own backend choice: Agg without a display, inline in a notebook.
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib.colors import ListedColormap  # pylint: disable=g-import-not-at-top
 
