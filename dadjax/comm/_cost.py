@@ -167,7 +167,10 @@ class HierarchicalNetwork:
     return NetworkModel(self.intra_bandwidth, self.intra_latency, self.per_site, "ring")
 
   def intra_time(self, summary: CommSummary, ops: Any = None) -> float:
-    """Seconds of the in-site phase (``ops``: the in-site compiled ops, default the ledger's calls)."""
+    """Seconds of the in-site phase.
+
+    ``ops``: the in-site compiled ops (default: the ledger's in-site calls).
+    """
     if ops is None:
       reduce_ops, gather_ops = summary.intra_reduce_calls, summary.intra_gather_calls
     else:

@@ -124,7 +124,8 @@ class CollectiveOp(NamedTuple):
   conditional: bool
 
 
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}"
+                     r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
 def _replica_groups(attrs: str) -> tuple:

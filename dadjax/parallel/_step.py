@@ -623,7 +623,8 @@ def make_train_step(
 
   Raises:
     ValueError: for an unknown backend, a bad ``num_sites``, an axis not in
-      the mesh, a mesh with ``pmap`` / ``vmap``, or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
+      the mesh, a mesh with ``pmap`` / ``vmap``,
+      or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
       or ``"dad_state"`` (``average`` must be a subset of ``mutable``).
   """
   if backend not in BACKENDS:
