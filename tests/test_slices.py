@@ -151,3 +151,32 @@ def test_hierarchical_network_charges_each_link_class():
   assert HierarchicalNetwork(inter).intra_time(summary) == 0.0  # per_site=1: no in-site links
   with pytest.raises(ValueError, match="per_site must be"):
     HierarchicalNetwork(inter, per_site=0)
+
+
+def test_replica_groups_parse_both_hlo_forms():
+  from dadjax.comm._hlo import _replica_groups
+  explicit = "channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true"
+  iota = "channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true"
+  assert _replica_groups(explicit) == _replica_groups(iota) == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert _replica_groups("replica_groups=[2,4]<=[8], x") == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert _replica_groups("replica_groups={}, x") == ()
+
+
+def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
+  from dadjax.config import Config
+  from dadjax.errors import ConfigError
+  from dadjax.train import train
+  with pytest.raises(ConfigError, match="per_site=4 needs backend='shard_map'"):
+    Config(num_sites=2, per_site=4, backend="vmap")
+  with pytest.raises(ConfigError, match="batch_per_site=6 must be a multiple of"):
+    Config(num_sites=2, per_site=4, batch_per_site=6)
+  config = Config(num_sites=2, per_site=4, batch_per_site=8, steps=2, eval_every=2,
+                  method="qsgd:8", model_kwargs={"hidden": [16]})
+  run = train(config, progress=False)
+  assert run.step_fn.mesh.devices.shape == (2, 4) and run.step_fn.per_site == 4
+  row = run.history[-1]
+  summary = dadjax.comm_stats(run.state)
+  assert row["bits_per_step"] == summary.bits_per_step
+  assert row["intra_bits_per_step"] == summary.intra_bits_per_step > 0
+  assert row["modeled_intra_comm_s_per_step"] > 0
+  assert row["modeled_comm_s_per_step"] > row["modeled_intra_comm_s_per_step"]
