@@ -20,6 +20,13 @@ exactly its own site's copy. The batch is global, site-major: every leaf of
 the batch pytree has a leading row axis and rows ``[i * b, (i + 1) * b)``
 belong to site ``i``.
 
+Sites of several devices (a 2-D mesh from ``make_mesh(sites=..., per_site=...)``,
+shard_map only): each site's copy is replicated over the site's devices,
+each device takes ``b / per_site`` of the site's rows, and the devices of a
+site average exactly (in-site ``pmean``, booked in ``TrainState.intra_comm``)
+before the method communicates over the site axis; see
+:func:`make_train_step`.
+
 Loss: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)`` (see
 :mod:`dadjax.parallel._losses`); the default is
 :func:`~dadjax.parallel.classification_loss` of the model.
