@@ -1,4 +1,6 @@
 """Sites made of several devices: 2-D meshes (site axis x in-site axis)."""
+import pathlib
+
 import chex
 import jax
 import numpy as np
@@ -163,13 +165,15 @@ def test_replica_groups_parse_both_hlo_forms():
 
 
 def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
-  from dadjax.config import Config
+  from dadjax.config import Config, load_config
   from dadjax.errors import ConfigError
   from dadjax.train import train
   with pytest.raises(ConfigError, match="per_site=4 needs backend='shard_map'"):
     Config(num_sites=2, per_site=4, backend="vmap")
   with pytest.raises(ConfigError, match="batch_per_site=6 must be a multiple of"):
     Config(num_sites=2, per_site=4, batch_per_site=6)
+  shipped = load_config(pathlib.Path(__file__).parent.parent / "experiments/configs/multislice.toml")
+  assert (shipped.num_sites, shipped.per_site, shipped.intra_bandwidth) == (2, 4, 800e9)
   config = Config(num_sites=2, per_site=4, batch_per_site=8, steps=2, eval_every=2,
                   method="qsgd:8", model_kwargs={"hidden": [16]})
   run = train(config, progress=False)
