@@ -172,7 +172,8 @@ def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
     Config(num_sites=2, per_site=4, backend="vmap")
   with pytest.raises(ConfigError, match="batch_per_site=6 must be a multiple of"):
     Config(num_sites=2, per_site=4, batch_per_site=6)
-  shipped = load_config(pathlib.Path(__file__).parent.parent / "experiments/configs/multislice.toml")
+  root = pathlib.Path(__file__).parent.parent
+  shipped = load_config(root / "experiments" / "configs" / "multislice.toml")
   assert (shipped.num_sites, shipped.per_site, shipped.intra_bandwidth) == (2, 4, 800e9)
   config = Config(num_sites=2, per_site=4, batch_per_site=8, steps=2, eval_every=2,
                   method="qsgd:8", model_kwargs={"hidden": [16]})
