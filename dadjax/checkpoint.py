@@ -56,7 +56,7 @@ FORMAT = 1
 # other field (including ones added later) is part of the fingerprint.
 FINGERPRINT_EXCLUDED = frozenset({
     "steps", "eval_every", "checkpoint_dir", "checkpoint_every", "out_dir", "data_dir",
-    "backend", "bandwidth", "latency", "topology"})
+    "backend", "bandwidth", "latency", "topology", "intra_bandwidth", "intra_latency"})
 
 LOCK_FILE = "dadjax.lock"
 

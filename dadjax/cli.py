@@ -95,7 +95,7 @@ def _train(args: argparse.Namespace) -> int:
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
   config = load_config(args.config, args.overrides)
   # Read the config first: shard_map over num_sites sites needs that many devices.
-  _simulate_devices(max(DEFAULT_DEVICES, config.num_sites))
+  _simulate_devices(max(DEFAULT_DEVICES, config.num_sites * config.per_site))
   from dadjax.train import train  # pylint: disable=g-import-not-at-top
   run = train(config, progress=not args.no_progress, restart=args.restart,
               log=lambda row: print(json.dumps(row), flush=True))

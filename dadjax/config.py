@@ -38,6 +38,10 @@ class Config:
     model_kwargs: extra model fields, e.g. ``{"hidden": [128, 128]}``.
     method: communication method spec, see :func:`dadjax.methods.build_method`.
     num_sites: number of sites (devices, or simulated sites with ``vmap``).
+    per_site: devices per site (default 1). ``> 1`` runs a 2-D mesh of
+      ``num_sites x per_site`` devices (``backend="shard_map"`` only): the
+      method communicates between sites, each site averages exactly over
+      its devices, and ``batch_per_site`` rows split over them.
     backend: ``"shard_map"``, ``"pmap"`` or ``"vmap"``.
     partition: ``"iid"``, ``"by_class"`` or ``"dirichlet"``.
     alpha: Dirichlet concentration for ``partition="dirichlet"``.
@@ -55,7 +59,10 @@ class Config:
     checkpoint_dir: orbax checkpoint directory (``None``: no checkpoints).
     checkpoint_every: save every this many steps.
     out_dir: where ``metrics.jsonl`` goes (``None``: nowhere).
-    bandwidth, latency, topology: network model for modeled comm time.
+    bandwidth, latency, topology: network model for modeled comm time
+      (the links between sites).
+    intra_bandwidth, intra_latency: the links inside a site (``per_site >
+      1``; default 800e9 bits/s = 100 GB/s and 5 us).
   """
 
   dataset: str = "digits"
@@ -65,6 +72,7 @@ class Config:
   model_kwargs: dict = dataclasses.field(default_factory=dict)
   method: str = "allreduce"
   num_sites: int = 8
+  per_site: int = 1
   backend: str = "shard_map"
   partition: str = "iid"
   alpha: float = 0.5
@@ -82,10 +90,13 @@ class Config:
   bandwidth: float = 1e9
   latency: float = 50e-6
   topology: str = "ring"
+  intra_bandwidth: float = 800e9
+  intra_latency: float = 5e-6
 
   def __post_init__(self):
     _check_types(self)
-    positive = ("num_sites", "batch_per_site", "steps", "eval_every", "checkpoint_every")
+    positive = ("num_sites", "per_site", "batch_per_site", "steps", "eval_every",
+                "checkpoint_every")
     for name in positive:
       if getattr(self, name) < 1:
         raise ConfigError(f"config.{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -103,6 +114,15 @@ class Config:
     _check_range("alpha", self.alpha, low=0.0)
     _check_range("bandwidth", self.bandwidth, low=0.0)
     _check_range("latency", self.latency, low=0.0, low_open=False)
+    _check_range("intra_bandwidth", self.intra_bandwidth, low=0.0)
+    _check_range("intra_latency", self.intra_latency, low=0.0, low_open=False)
+    if self.per_site > 1 and self.backend != "shard_map":
+      raise ConfigError(f"config.per_site={self.per_site} needs backend='shard_map' (a 2-D "
+                        f"mesh); backend={self.backend!r} runs one device per site")
+    if self.batch_per_site % self.per_site:
+      raise ConfigError(f"config.batch_per_site={self.batch_per_site} must be a multiple of "
+                        f"config.per_site={self.per_site} (each device of a site takes an "
+                        "equal share of the site's rows)")
 
   def replace(self, **changes) -> "Config":
     _check_keys(changes)

@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
 from dadjax import models
-from dadjax.comm import NetworkModel, comm_stats, host_array
+from dadjax.comm import HierarchicalNetwork, NetworkModel, comm_stats, host_array
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
 from dadjax.errors import CheckpointError, ConfigError, DivergenceError
 from dadjax.methods import build_method
-from dadjax.parallel import TrainState, TrainStep, make_train_step
+from dadjax.parallel import TrainState, TrainStep, make_mesh, make_train_step
 
 
 @dataclasses.dataclass
@@ -130,7 +130,11 @@ def build(config: Config):
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
   model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
   comm_tx = method.tx if method.tx is not None else optax.identity()
-  step_fn = make_train_step(model, make_optimizer(config, comm_tx), num_sites=config.num_sites,
+  if config.per_site > 1:
+    placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site)}
+  else:
+    placement = {"num_sites": config.num_sites}
+  step_fn = make_train_step(model, make_optimizer(config, comm_tx), **placement,
                             backend=config.backend,
                             batch_stage=getattr(method, "batch_stage", None))
   return dataset, parts, batcher, step_fn
@@ -180,7 +184,9 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
     print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
           "nothing to do", file=sys.stderr, flush=True)
     return Run(config, state, step_fn, [last_row] if last_row else [], dataset)
-  network = NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology)
+  network = HierarchicalNetwork(
+      NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology),
+      config.intra_bandwidth, config.intra_latency, config.per_site)
   start = int(host_array(state.step)[0])
   out_file = None
   if config.out_dir:
@@ -281,6 +287,8 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       **{f"test_{k}": v for k, v in test_metrics.items()},
       "bits_per_step": summary.bits_per_step,
       "step_bits_per_step": comm_stats(state.comm).bits_per_step,
+      "intra_bits_per_step": summary.intra_bits_per_step,
+      "modeled_intra_comm_s_per_step": network.intra_time(summary),
       "dense_bits_per_step": summary.dense_bits_per_step,
       "total_bits": summary.total,
       "compression_ratio": summary.compression_ratio,

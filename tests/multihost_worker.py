@@ -1,8 +1,9 @@
 """One process of the 2-process test: 4 CPU devices each, gloo collectives.
 
-Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz
+Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [flat|sites]
 Trains the test model for a few steps over all 8 global devices and writes
-the parameters (from process 0) to OUT.npz.
+the parameters (from process 0) to OUT.npz. ``flat``: a 1-D mesh of 8 sites;
+``sites``: a 2-D mesh where each process is one site of its 4 devices.
 """
 import os
 import sys
@@ -19,18 +20,25 @@ from multihost_common import STEPS, make_problem  # noqa: E402
 
 def main():
   port, process_id, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+  layout = sys.argv[4] if len(sys.argv) > 4 else "flat"
   dadjax.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   model, tx, batches = make_problem()
-  ts = dadjax.make_train_step(model, tx)  # mesh over all 8 global devices
+  if layout == "sites":  # one site per process: its 4 local devices
+    mesh = dadjax.make_mesh(sites=2, per_site=4)
+    assert {d.process_index for d in mesh.devices[process_id]} == {process_id}
+  else:
+    mesh = None  # a 1-D mesh over all 8 global devices
+  ts = dadjax.make_train_step(model, tx, mesh=mesh)
   state = ts.init(jax.random.key(0), batches[0]["x"][:2])
   for batch in batches[:STEPS]:
     state, _ = ts(state, batch)
   params = ts.params(state)
   summary = dadjax.comm_stats(state.opt_state)
+  intra = dadjax.comm_stats(state).intra_bits_per_step
   if process_id == 0:
     leaves = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
-    np.savez(out, total_bits=summary.total, **leaves)
+    np.savez(out, total_bits=summary.total, intra_bits=intra, **leaves)
   jax.distributed.shutdown()
 
 

@@ -138,12 +138,8 @@ def test_imports_of_reads_relative_and_aliased_imports(tmp_path):
 # dad/_dense.py and dad/_sync.py import the collection names ("comm", "dad_state") from
 # dadjax.parallel until they move to a lower layer; when they do, this test XPASSes (strict):
 # delete the mark.
-_DAD_STILL_IMPORTS_PARALLEL = pytest.mark.xfail(
-    strict=True, reason="dad imports COMM_COLLECTION / STATE_COLLECTION from dadjax.parallel")
-
-
 @pytest.mark.parametrize("package", [
-    "comm", "compress", pytest.param("dad", marks=_DAD_STILL_IMPORTS_PARALLEL), "adaptive",
+    "comm", "compress", "dad", "adaptive",
     "dataquant"])
 def test_lower_layers_do_not_import_the_step(package):
   directory = PACKAGE / package

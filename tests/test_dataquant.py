@@ -21,7 +21,7 @@ from dadjax.compress import packed_words
 from dadjax.models import MLP
 from dadjax.stage import GradResult, StageContext
 
-from test_compress_hlo import collective_bytes
+from dadjax.comm import hlo_collectives
 
 SITES, ROWS, DIM, CLASSES = 8, 8, 12, 3
 MODEL = MLP(hidden=(8,), num_classes=CLASSES)
@@ -359,7 +359,7 @@ def test_compiled_all_gather_moves_the_padded_payload(kwargs):
   fn = jax.jit(jax.shard_map(_site_program(stage), mesh=mesh,
                              in_specs=(P("data"), P("data"), P("data"), P()), out_specs=P("data")))
   compiled = fn.lower(stacked(params), batch, state, key).compile()
-  moved = collective_bytes(compiled.as_text())
+  moved = hlo_collectives(compiled.as_text()).nbytes
   grads, new_state = compiled(stacked(params), batch, state, key)
   assert moved["reduce"] == 0
   assert 8 * moved["gather"] == bits_to_int(new_state.wire_bits)[0]

@@ -21,13 +21,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.multihost
-def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
-  out = tmp_path / "params.npz"
+def _run_workers(out, layout="flat"):
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-  procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(port), str(i), str(out)],
+  procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(port), str(i),
+                             str(out), layout],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
   logs = []
@@ -40,14 +39,40 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
       pytest.fail("multi-host workers timed out")
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
+  return np.load(out)
 
+
+def _train_here(mesh):
+  model, tx, batches = make_problem()
+  ts = dadjax.make_train_step(model, tx, mesh=mesh)
+  state = ts.init(jax.random.key(0), batches[0]["x"][:2])
+  for batch in batches[:STEPS]:
+    state, _ = ts(state, batch)
+  return ts, state
+
+
+@pytest.mark.multihost
+def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
+  got = _run_workers(tmp_path / "params.npz")
   model, tx, batches = make_problem()
   ts = dadjax.make_train_step(model, tx, num_sites=8)
   state = ts.init(jax.random.key(0), batches[0]["x"][:2])
   for batch in batches[:STEPS]:
     state, _ = ts(state, batch)
   expected = jax.tree.leaves(ts.params(state))
-  got = np.load(out)
   for i, leaf in enumerate(expected):
     np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
   assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
+
+
+@pytest.mark.multihost
+def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path):
+  got = _run_workers(tmp_path / "params.npz", layout="sites")
+  ts, state = _train_here(dadjax.make_mesh(sites=2, per_site=4))
+  pooled_ts, pooled = _train_here(dadjax.make_mesh(1))  # one site holds every row
+  for i, (leaf, ref) in enumerate(zip(jax.tree.leaves(ts.params(state)),
+                                      jax.tree.leaves(pooled_ts.params(pooled)))):
+    np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6)
+  assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
+  assert int(got["intra_bits"]) == dadjax.comm_stats(state).intra_bits_per_step > 0

@@ -39,8 +39,9 @@ from dadjax.comm._collectives import (
     sum_over_sites,
 )
 from dadjax.comm._accumulate import AccumulateState, accumulate
-from dadjax.comm._cost import NetworkModel
-from dadjax.comm._hlo import CollectiveOps, compiled_collectives, hlo_collectives
+from dadjax.comm._cost import HierarchicalNetwork, NetworkModel
+from dadjax.comm._hlo import (CollectiveOp, CollectiveOps, collective_ops, compiled_collectives,
+                              hlo_collectives)
 from dadjax.comm._vma import (
     COMM_COLLECTION,
     STATE_COLLECTION,
@@ -62,9 +63,11 @@ from dadjax.comm._metered import (
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,
+    IntraSiteStats,
     CommSummary,
     comm_stats,
     find_comm_stats,
+    intra_ledger_init,
     ledger_init,
     ledger_record,
     tree_dense_bits,
@@ -75,6 +78,8 @@ __all__ = [
     "CommStats",
     "CommSummary",
     "NetworkModel",
+    "HierarchicalNetwork",
+    "IntraSiteStats",
     "allreduce",
     "AllReduceState",
     "FP32_BITS",

@@ -123,3 +123,82 @@ class NetworkModel:
         "fp32_time_s": self.baseline_time(summary, FP32_BITS),
         "bf16_time_s": self.baseline_time(summary, 16),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalNetwork:
+  """Two link classes: fast links inside a site, slow links between sites.
+
+  For a 2-D mesh (``num_sites`` sites of ``per_site`` devices each). The
+  in-site averaging (the ledger's ``intra_*`` fields) runs on the in-site
+  links, a ring over ``per_site`` devices; the methods' collectives (the
+  ledger's main fields) run on the inter-site links, a ring (or parameter
+  server) over ``num_sites`` sites. Every device of a site runs the
+  site-axis collectives over its own inter-site link, in parallel with the
+  site's other devices (multi-slice TPU: one DCN path per host), so the
+  ledger's per-device payload sets the time. The step's communication time
+  is the sum of both phases (the in-site average finishes before the
+  method runs).
+
+  Attributes:
+    inter: the :class:`NetworkModel` between sites (``num_sites`` sites;
+      e.g. 1-25 Gbit/s, ~1 ms).
+    intra_bandwidth: in-site link bandwidth in bits/s (default 800e9 =
+      100 GB/s, NVLink / ICI class).
+    intra_latency: seconds per in-site message (default 5 us).
+    per_site: devices per site (``>= 1``; 1: no in-site traffic).
+  """
+
+  inter: NetworkModel = NetworkModel()
+  intra_bandwidth: float = 800e9
+  intra_latency: float = 5e-6
+  per_site: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.inter, NetworkModel):
+      raise ValueError(f"inter must be a NetworkModel, got {self.inter!r}")
+    if isinstance(self.per_site, bool) or not (isinstance(self.per_site, int)
+                                               and self.per_site >= 1):
+      raise ValueError(f"per_site must be an int >= 1, got {self.per_site}")
+
+  @property
+  def intra(self) -> NetworkModel:
+    """The in-site links as a ring :class:`NetworkModel` over ``per_site`` devices."""
+    return NetworkModel(self.intra_bandwidth, self.intra_latency, self.per_site, "ring")
+
+  def intra_time(self, summary: CommSummary, ops: Any = None) -> float:
+    """Seconds of the in-site phase.
+
+    ``ops``: the in-site compiled ops (default: the ledger's in-site calls).
+    """
+    if ops is None:
+      reduce_ops, gather_ops = summary.intra_reduce_calls, summary.intra_gather_calls
+    else:
+      reduce_ops, gather_ops = NetworkModel._ops(summary, ops)
+    return (self.intra.allreduce_time(max(summary.intra_reduce_bits), reduce_ops)
+            + self.intra.allgather_time(max(summary.intra_gather_bits), gather_ops))
+
+  def inter_time(self, summary: CommSummary, ops: Any = None) -> float:
+    """Seconds of the inter-site phase (the methods' collectives)."""
+    return self.inter.step_time(summary, ops)
+
+  def step_time(self, summary: CommSummary, ops: Any = None, intra_ops: Any = None) -> float:
+    """Modeled seconds of one step: in-site phase plus inter-site phase.
+
+    Args:
+      summary: a ledger read-out (:func:`~dadjax.comm_stats`).
+      ops: the compiled inter-site ops (``TrainStep.collectives(...,
+        link="inter")``) or ``None`` for the ledger's calls.
+      intra_ops: the compiled in-site ops (``link="intra"``) or ``None``.
+    """
+    return self.intra_time(summary, intra_ops) + self.inter_time(summary, ops)
+
+  def report(self, summary: CommSummary, ops: Any = None, intra_ops: Any = None) -> dict:
+    """:meth:`NetworkModel.report` of the inter-site links plus the in-site phase."""
+    out = self.inter.report(summary, ops)
+    out["setting"] = f"{out['setting']} sites x {self.per_site} devices"
+    out["intra_payload_bits"] = summary.intra_bits_per_step
+    out["intra_time_s"] = self.intra_time(summary, intra_ops)
+    out["inter_time_s"] = out["time_s"]
+    out["time_s"] = out["intra_time_s"] + out["inter_time_s"]
+    return out

@@ -23,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import NamedTuple
+
+import numpy as np
 
 _BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
           "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -103,14 +106,54 @@ def _split_instruction(line: str):
   return m.group(1), type_text, op.group(1), rest[start + 1:end], rest[end + 1:]
 
 
-def hlo_collectives(hlo_text: str) -> CollectiveOps:
-  """Count the collective ops of an HLO module and the bytes of their operands.
+class CollectiveOp(NamedTuple):
+  """One collective op of a compiled program.
+
+  Attributes:
+    kind: one of :data:`KINDS`.
+    nbytes: operand bytes (per participant).
+    groups: the op's ``replica_groups`` as a tuple of tuples of logical
+      device ids (positions in the program's device assignment, i.e. in
+      ``mesh.devices.flat``); ``()`` when the op names none (all devices).
+    conditional: whether the op sits under a ``conditional`` branch.
+  """
+
+  kind: str
+  nbytes: int
+  groups: tuple
+  conditional: bool
+
+
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}"
+                     r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+
+
+def _replica_groups(attrs: str) -> tuple:
+  """Parse ``replica_groups=`` (explicit ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]T(..)`` form)."""
+  m = _GROUPS.search(attrs)
+  if not m or m.group(1) == "{}":
+    return ()
+  text = m.group(1)
+  if text.startswith("{"):
+    return tuple(tuple(int(v) for v in g.split(",") if v.strip())
+                 for g in re.findall(r"\{([\d, ]*)\}", text[1:-1]))
+  iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  shape = [int(v) for v in iota.group(1).split(",")]
+  dims = [int(v) for v in iota.group(2).split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if iota.group(3):
+    ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
+  return tuple(tuple(int(v) for v in row) for row in ids.reshape(shape))
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+  """Every collective op of an HLO module, with its bytes and replica groups.
 
   Args:
     hlo_text: ``jitted.lower(...).compile().as_text()`` (optimized HLO).
 
   Returns:
-    A :class:`CollectiveOps`.
+    A list of :class:`CollectiveOp` in program order.
   """
   types: dict[str, str] = {}
   found = []  # (computation, kind, operand text)
@@ -133,7 +176,7 @@ def hlo_collectives(hlo_text: str) -> CollectiveOps:
       if opcode == "conditional":
         branches.update(names)
     if opcode in OPCODES:
-      found.append((current, OPCODES[opcode], operands))
+      found.append((current, OPCODES[opcode], operands, attrs))
   # Computations reachable from a conditional branch run only when it is taken.
   under_cond, todo = set(), list(branches)
   while todo:
@@ -141,22 +184,41 @@ def hlo_collectives(hlo_text: str) -> CollectiveOps:
     if c not in under_cond:
       under_cond.add(c)
       todo.extend(calls.get(c, ()))
-  count = dict.fromkeys(KINDS, 0)
-  nbytes = dict.fromkeys(KINDS, 0)
-  c_count = dict.fromkeys(KINDS, 0)
-  c_nbytes = dict.fromkeys(KINDS, 0)
-  for comp, kind, operands in found:
+  ops = []
+  for comp, kind, operands, attrs in found:
     size = 0
     for operand in _split_operands(operands):
       if _SHAPE.search(operand):  # operand printed with its type
         size += _shape_bytes(operand)
       else:  # operand printed by name only: look its type up
         size += _shape_bytes(types.get(operand.lstrip("%"), ""))
-    count[kind] += 1
-    nbytes[kind] += size
-    if comp in under_cond:
-      c_count[kind] += 1
-      c_nbytes[kind] += size
+    ops.append(CollectiveOp(kind, size, _replica_groups(attrs), comp in under_cond))
+  return ops
+
+
+def hlo_collectives(hlo_text: str, groups=None) -> CollectiveOps:
+  """Count the collective ops of an HLO module and the bytes of their operands.
+
+  Args:
+    hlo_text: ``jitted.lower(...).compile().as_text()`` (optimized HLO).
+    groups: optional filter ``groups(replica_groups) -> bool`` on each op's
+      :attr:`CollectiveOp.groups` (e.g. keep the ops over one mesh axis).
+
+  Returns:
+    A :class:`CollectiveOps`.
+  """
+  count = dict.fromkeys(KINDS, 0)
+  nbytes = dict.fromkeys(KINDS, 0)
+  c_count = dict.fromkeys(KINDS, 0)
+  c_nbytes = dict.fromkeys(KINDS, 0)
+  for op in collective_ops(hlo_text):
+    if groups is not None and not groups(op.groups):
+      continue
+    count[op.kind] += 1
+    nbytes[op.kind] += op.nbytes
+    if op.conditional:
+      c_count[op.kind] += 1
+      c_nbytes[op.kind] += op.nbytes
   return CollectiveOps(count, nbytes, c_count, c_nbytes)
 
 

@@ -45,6 +45,19 @@ class CommStats(NamedTuple):
   updates: jax.Array
 
 
+class IntraSiteStats(CommStats):
+  """A ledger of traffic *inside* a site (the fast in-site links).
+
+  Same fields as :class:`CommStats`. With a 2-D mesh (sites made of several
+  devices) the train step books the exact in-site averaging here, apart
+  from the inter-site traffic the methods send; :func:`comm_stats` reports
+  it in the ``intra_*`` fields of :class:`CommSummary` and never adds it to
+  the inter-site numbers.
+  """
+
+  __slots__ = ()
+
+
 BitsLike = Bits | int
 
 
@@ -56,6 +69,11 @@ def ledger_init() -> CommStats:
   """An empty ledger."""
   z = bits_zero()
   return CommStats(z, z, z, z, z, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+
+
+def intra_ledger_init() -> IntraSiteStats:
+  """An empty in-site ledger (:class:`IntraSiteStats`)."""
+  return IntraSiteStats(*ledger_init())
 
 
 def ledger_record(
@@ -79,11 +97,11 @@ def ledger_record(
     gather_calls: number of all-gather calls this step.
 
   Returns:
-    The updated ledger.
+    The updated ledger (of the same class as ``stats``).
   """
   reduce, gather, dense = _as_bits(reduce), _as_bits(gather), _as_bits(dense)
   sent = bits_add(reduce, gather)
-  return CommStats(
+  return type(stats)(
       step_reduce=reduce,
       step_gather=gather,
       step_dense=dense,
@@ -126,6 +144,12 @@ class CommSummary:
   Payload bits are what a site hands to collectives; wire bits
   (:meth:`wire_bits`) are what the topology moves for them
   (:mod:`dadjax.comm._wire`).
+
+  With a 2-D mesh every count is per *device* (each device of a site runs
+  the site-axis collectives over its own links, in parallel with the
+  site's other devices). The main fields are inter-site traffic (what the
+  methods send over the site axis); ``intra_*`` is the exact in-site
+  averaging (:class:`IntraSiteStats` ledgers), zero on a 1-D mesh.
   """
 
   reduce_bits: tuple[int, ...]
@@ -137,6 +161,15 @@ class CommSummary:
   gather_calls: int
   updates: int
   micro_steps: int = 0
+  intra_reduce_bits: tuple[int, ...] = (0,)
+  intra_gather_bits: tuple[int, ...] = (0,)
+  intra_reduce_calls: int = 0
+  intra_gather_calls: int = 0
+
+  @property
+  def intra_bits_per_step(self) -> int:
+    """In-site payload bits per step (largest site; 0 on a 1-D mesh)."""
+    return max(r + g for r, g in zip(self.intra_reduce_bits, self.intra_gather_bits))
 
   @property
   def collectives(self) -> int:
@@ -260,6 +293,19 @@ def comm_stats(state: Any) -> CommSummary:
   if not found:
     raise ValueError("comm_stats: the state holds no CommStats; is a dadjax "
                      "communicating transformation part of the optimizer?")
+  inter = [x for x in found if not isinstance(x, IntraSiteStats)]
+  intra = [x for x in found if isinstance(x, IntraSiteStats)]
+  fields, calls, slow, fast = _summarize(inter)
+  intra_fields, intra_calls, _, _ = _summarize(intra)
+  return CommSummary(**fields, **calls, updates=slow, micro_steps=fast,
+                     intra_reduce_bits=intra_fields["reduce_bits"],
+                     intra_gather_bits=intra_fields["gather_bits"],
+                     intra_reduce_calls=intra_calls["reduce_calls"],
+                     intra_gather_calls=intra_calls["gather_calls"])
+
+
+def _summarize(found: list[CommStats]):
+  """Per-step fields, call counts and the slowest / fastest update count of some ledgers."""
   rates = [int(np.max(host_array(s.updates))) for s in found]
   live = [u for u in rates if u > 0]
   slow, fast = (min(live), max(live)) if live else (0, 0)
@@ -275,4 +321,4 @@ def comm_stats(state: Any) -> CommSummary:
     fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.total_dense))
     calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls))) * num // den
     calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls))) * num // den
-  return CommSummary(**fields, **calls, updates=slow, micro_steps=fast)
+  return fields, calls, slow, fast

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax.comm import (NO_TRAFFIC, Traffic, is_varying, metered_all_gather, metered_pmean,
-                         metered_psum, site_index, traffic_add)
+                         metered_psum, site_index, to_varying, traffic_add, vma)
 from dadjax.dad._config import DadConfig
 from dadjax.dad._power import factorize
 from dadjax.dad._rank_accordion import rank_dad_accordion
@@ -48,6 +48,9 @@ def match_type(ct, primal, axis_name, typed: bool, reduce: str = "pmean"):
   """
   if not typed or ct is None:
     return ct, NO_TRAFFIC
+  # Other mesh axes (the in-site axis of a 2-D mesh): a value computed
+  # without them (a constant, the state's counters) takes the primal's type.
+  ct = to_varying(ct, vma(primal) - {axis_name})
   want, have = is_varying(primal, axis_name), is_varying(ct, axis_name)
   if want and not have:
     return jax.lax.pcast(ct, axis_name, to="varying"), NO_TRAFFIC

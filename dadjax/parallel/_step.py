@@ -20,6 +20,13 @@ exactly its own site's copy. The batch is global, site-major: every leaf of
 the batch pytree has a leading row axis and rows ``[i * b, (i + 1) * b)``
 belong to site ``i``.
 
+Sites of several devices (a 2-D mesh from ``make_mesh(sites=..., per_site=...)``,
+shard_map only): each site's copy is replicated over the site's devices,
+each device takes ``b / per_site`` of the site's rows, and the devices of a
+site average exactly (in-site ``pmean``, booked in ``TrainState.intra_comm``)
+before the method communicates over the site axis; see
+:func:`make_train_step`.
+
 Loss: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)`` (see
 :mod:`dadjax.parallel._losses`); the default is
 :func:`~dadjax.parallel.classification_loss` of the model.
@@ -82,11 +89,14 @@ from dadjax.comm import (
     CommStats,
     NO_TRAFFIC,
     host_array,
+    intra_ledger_init,
+    is_varying,
     ledger_init,
     ledger_record,
     metered_pmean,
     site_index,
     traffic_add,
+    tree_to_varying,
 )
 from dadjax.parallel._losses import (
     COMM_COLLECTION,
@@ -126,6 +136,9 @@ class TrainState(NamedTuple):
     comm: the step's own :class:`~dadjax.comm.CommStats` (communication
       outside the optimizer).
     stage_state: the batch stage's state (``None`` without a stage).
+    intra_comm: with a 2-D mesh, the step's in-site ledger
+      (:class:`~dadjax.comm.IntraSiteStats`: the exact in-site averaging);
+      ``None`` on a 1-D mesh and the other backends.
   """
 
   step: jax.Array
@@ -135,6 +148,7 @@ class TrainState(NamedTuple):
   rng: Any = None
   comm: CommStats | None = None
   stage_state: Any = None
+  intra_comm: Any = None
 
 
 def stack_sites(tree: Any, num_sites: int) -> Any:
@@ -200,6 +214,8 @@ class TrainStep:
   batch_stage: BatchStage | None
   _run: Callable
   _eval: Callable
+  inner_axes: tuple[str, ...] = ()
+  per_site: int = 1
 
   def init(self, key: jax.Array, sample_x: Any, **init_kwargs) -> TrainState:
     """Initialize parameters from ``key`` and replicate them over the sites.
@@ -224,7 +240,8 @@ class TrainStep:
     base = _key_data(jax.random.fold_in(key, TAG_BASE))
     stage_state = self.batch_stage.init(params) if self.batch_stage is not None else None
     state = TrainState(np.zeros((), np.int32), params, self.tx.init(params), variables, base,
-                       ledger_init(), stage_state)
+                       ledger_init(), stage_state,
+                       intra_ledger_init() if self.inner_axes else None)
     return self.place(stack_sites(state, self.num_sites))
 
   def place(self, tree: Any) -> Any:
@@ -240,17 +257,22 @@ class TrainStep:
     """Raise a clear error if the global batch does not split over the sites.
 
     Every leaf is split along its leading axis into ``num_sites`` equal
-    site-major blocks, so each needs a positive multiple of ``num_sites`` rows.
+    site-major blocks (and each block into ``per_site`` equal blocks on a
+    2-D mesh), so each needs a positive multiple of ``num_sites * per_site``
+    rows.
     """
     leaves = jax.tree.leaves(batch)
     if not leaves:
       raise ValueError("batch: the batch pytree has no arrays")
+    units = self.num_sites * self.per_site
     for leaf in leaves:
       rows = np.shape(leaf)[0] if np.ndim(leaf) else None
-      if rows is None or rows % self.num_sites or rows == 0:
+      if rows is None or rows % units or rows == 0:
+        where = (f"num_sites={self.num_sites}" if self.per_site == 1 else
+                 f"num_sites={self.num_sites} x per_site={self.per_site} devices")
         raise ValueError(
             f"batch: the global batch of {rows} rows does not divide over "
-            f"num_sites={self.num_sites}; use a multiple of {self.num_sites}")
+            f"{where}; use a multiple of {units}")
 
   def __call__(self, state: TrainState, batch: Any):
     return self._run(state, self.place_batch(batch))
@@ -263,14 +285,14 @@ class TrainStep:
     """Check a global host batch and put it where this backend expects it."""
     self.check_batch(batch)
     if self.backend == "shard_map":
-      sharding = NamedSharding(self.mesh, P(self.axis_name))
+      sharding = NamedSharding(self.mesh, P((self.axis_name, *self.inner_axes)))
       return jax.tree.map(
           lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx, x=x: np.asarray(x)[idx]),
           batch)
     split = jax.tree.map(lambda x: np.reshape(np.asarray(x), (self.num_sites, -1) + np.shape(x)[1:]), batch)
     return split if self.backend == "pmap" else jax.tree.map(jnp.asarray, split)
 
-  def collectives(self, state: TrainState, batch: Any):
+  def collectives(self, state: TrainState, batch: Any, link: str | None = None):
     """The collective ops the compiled step runs, read from its optimized HLO.
 
     Lowers and compiles the step once for these shapes and returns
@@ -280,9 +302,46 @@ class TrainStep:
     step's own metric all-reduces, and ops under ``lax.cond`` (both branches
     are compiled; see ``conditional_count``). ``backend="vmap"`` simulates
     the sites on one device: its program has no collective ops.
+
+    Args:
+      state: a train state (shapes only matter).
+      batch: a global batch.
+      link: ``None`` for every op; on a 2-D mesh ``"inter"`` keeps the ops
+        whose replica groups run along the site axis only, ``"intra"``
+        those within one site (:meth:`link_of`).
     """
     from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
-    return hlo_collectives(self._run.lower(state, self.place_batch(batch)).compile().as_text())
+    if link not in (None, "inter", "intra"):
+      raise ValueError(f"link must be None, 'inter' or 'intra', got {link!r}")
+    text = self._run.lower(state, self.place_batch(batch)).compile().as_text()
+    keep = None if link is None else (lambda groups: self.link_of(groups) == link)
+    return hlo_collectives(text, groups=keep)
+
+  def link_of(self, groups) -> str:
+    """Which links a collective with these replica groups uses (shard_map backend).
+
+    Args:
+      groups: a :attr:`~dadjax.comm.CollectiveOp.groups` (logical device
+        ids = positions in ``mesh.devices.flat``).
+
+    Returns:
+      ``"intra"`` if every group lies within one site, ``"inter"`` if every
+      group holds one device per site position (it varies along the site
+      axis only), otherwise ``"mixed"``. On a 1-D mesh every collective
+      with more than one device is ``"inter"``.
+    """
+    if self.backend != "shard_map":
+      raise ValueError("link_of needs backend='shard_map' (a mesh)")
+    shape = self.mesh.devices.shape
+    site_dim = self.mesh.axis_names.index(self.axis_name)
+    groups = groups or (tuple(range(int(np.prod(shape)))),)
+    coords = [np.array(np.unravel_index(np.asarray(g), shape)) for g in groups]
+    others = [d for d in range(len(shape)) if d != site_dim]
+    if all(len(set(c[site_dim])) == 1 for c in coords):
+      return "intra"
+    if all(all(len(set(c[d])) == 1 for d in others) for c in coords):
+      return "inter"
+    return "mixed"
 
   def params(self, state: TrainState, site: int = 0) -> Any:
     """One site's parameters as host arrays (all sites hold the same)."""
@@ -391,51 +450,92 @@ def local_gradients(model, loss, params, model_state, batch) -> LocalGradients:
   return LocalGradients(r.loss, r.aux["logits"], r.grads, r.model_state, r.extra_args)
 
 
-def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name):
-  """The step as one site runs it; collectives name ``axis_name``."""
+def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name,
+                  inner=()):
+  """The step as one site runs it; collectives name ``axis_name``.
+
+  ``inner``: the in-site mesh axes of a 2-D mesh (module docstring of
+  :func:`make_train_step`): each device computes the gradient of its rows
+  with the parameters typed varying along ``inner``, the gradients and the
+  updated collections are averaged exactly over ``inner`` (booked in the
+  in-site ledger), and everything after runs identically on every device
+  of the site.
+  """
   tx = optax.with_extra_args_support(tx)
+  synced_names = tuple(mutable) + (STATE_COLLECTION,)
 
   def site_step(state: TrainState, batch):
     site = site_index(axis_name)
     model_key, shared_key, stage_key = site_keys(state.rng, state.step, site)
+    local_params, local_model_state = state.params, state.model_state
+    if inner:
+      if jax.lax.axis_size(inner) > 1:  # each device of a site draws its own dropout masks
+        model_key = jax.random.fold_in(model_key, jax.lax.axis_index(inner))
+      local_params = tree_to_varying(local_params, inner)
+      local_model_state = tree_to_varying(local_model_state, inner)
 
     def bound_grad(params, b, rng=None):
-      return grad_result(loss_fn, mutable, params, state.model_state, b,
+      return grad_result(loss_fn, mutable, params, local_model_state, b,
                          model_key if rng is None else rng, True)
 
     if batch_stage is None:
-      result, stage_state, traffic = bound_grad(state.params, batch), state.stage_state, NO_TRAFFIC
+      result, stage_state, traffic = bound_grad(local_params, batch), state.stage_state, NO_TRAFFIC
     else:
 
       def bound_loss(params, b, rng=None):
-        value, aux = loss_fn(params, state.model_state, b, model_key if rng is None else rng, True)
+        value, aux = loss_fn(params, local_model_state, b, model_key if rng is None else rng, True)
         if isinstance(aux, Mapping) and MODEL_STATE in aux:
           aux = {k: v for k, v in aux.items() if k != MODEL_STATE}
         return value, aux
 
       ctx = StageContext(bound_grad, bound_loss, axis_name, stage_key, shared_key, state.step)
-      out = batch_stage.apply(ctx, state.params, batch, state.stage_state)
+      out = batch_stage.apply(ctx, local_params, batch, state.stage_state)
       result, stage_state, traffic = out.result, out.state, out.traffic
 
-    updates, opt_state = tx.update(result.grads, state.opt_state, state.params, **result.extra_args)
+    grads, model_state, aux, intra = result.grads, dict(result.model_state), result.aux, NO_TRAFFIC
+    loss = result.loss
+    if inner:  # exact in-site average, before any method communicates over the site axis
+      grads, t = metered_pmean(grads, inner)
+      local = {k: v for k, v in model_state.items() if k in synced_names}
+      local = {k: v for k, v in local.items()
+               if any(is_varying(x, a) for x in jax.tree.leaves(v) for a in inner)}
+      synced_local, t2 = metered_pmean(local, inner)
+      model_state = {**dict(state.model_state), **synced_local}
+      intra = traffic_add(t, t2)
+      stage_state = _invariant_stage_state(stage_state, inner)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **result.extra_args)
     params = optax.apply_updates(state.params, updates)
-    model_state = dict(result.model_state)
     synced = {k: model_state[k] for k in average if k in model_state}
     if jax.tree.leaves(synced):
       synced, sync_traffic = metered_pmean(synced, axis_name)
       model_state.update(synced)
       traffic = traffic_add(traffic, sync_traffic)
-    metrics = {"loss": result.loss, **metrics_fn(result.aux, batch)}
+    metrics = {"loss": loss, **metrics_fn(aux, batch)}
     metrics = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), metrics)
+    intra_comm = state.intra_comm
+    if inner:
+      metrics, t = metered_pmean(metrics, inner)
+      intra = traffic_add(intra, t)
+      intra_comm = ledger_record(state.intra_comm, reduce=intra.reduce, gather=intra.gather,
+                                 reduce_calls=intra.reduce_calls, gather_calls=intra.gather_calls)
     metrics, metrics_traffic = metered_pmean(metrics, axis_name)
     traffic = traffic_add(traffic, metrics_traffic)
     comm = ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather,
                          reduce_calls=traffic.reduce_calls, gather_calls=traffic.gather_calls)
     new_state = TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
-                           stage_state)
+                           stage_state, intra_comm)
     return new_state, metrics
 
   return site_step
+
+
+def _invariant_stage_state(stage_state, inner):
+  """A batch stage's state must be the same on every device of a site."""
+  for leaf in jax.tree.leaves(stage_state):
+    if any(is_varying(leaf, a) for a in inner):
+      raise ValueError("batch_stage: its state differs between the devices of a site (it "
+                       "depends on the device's rows); such a stage supports 1-D meshes only")
+  return stage_state
 
 
 def _check_names(name: str, names, allowed=None) -> tuple[str, ...]:
@@ -492,16 +592,46 @@ def make_train_step(
       local device count (pmap), required for vmap.
     axis_name: the axis the collectives name; default ``"data"``.
     backend: ``"shard_map"``, ``"pmap"`` or ``"vmap"``.
-    mesh: a 1-D mesh for shard_map (default: :func:`make_mesh`).
+    mesh: the shard_map mesh (default: :func:`make_mesh`, 1-D). A mesh with
+      more axes than ``axis_name`` (``make_mesh(sites=2, per_site=4)``) makes
+      each site a group of devices; see "Sites of several devices" below.
+      ``pmap`` and ``vmap`` run one device per site (1-D only).
     donate: donate the input state's buffers to the output (saves memory;
       the input state must not be used afterwards).
+
+  Sites of several devices (2-D mesh, e.g. axes ``("data", "replica")``):
+  the global batch is split site-major over ``axis_name`` and each site's
+  rows again over the in-site axes (rows ``[i b, (i+1) b)`` are site
+  ``i``'s; each of its ``per_site`` devices takes ``b / per_site`` of
+  them). The state keeps one copy per site (leading site axis, sharded over
+  ``axis_name``), replicated over the in-site axes: every device of a site
+  holds the site's whole parameters and optimizer state. Each device
+  computes the gradient of its rows; the gradients, the updated ``mutable``
+  collections and ``"dad_state"``, and the metrics are averaged exactly over
+  the in-site axes with one metered ``pmean`` each (booked in
+  ``TrainState.intra_comm``, an :class:`~dadjax.comm.IntraSiteStats`,
+  reported as ``intra_*`` by :func:`~dadjax.comm_stats`); then the method
+  runs over ``axis_name`` only, identically on every device of the site
+  (each device runs the site-axis collectives with the same position in
+  the other sites, over its own inter-site link). Optimizer-side methods
+  (allreduce, every compressor) therefore see exactly the site's averaged
+  gradient and train like a 1-D mesh with the same sites and the same
+  ledger. dAD layers gather ``A`` and ``D`` over ``axis_name`` only, per
+  device: each device gathers its own rows from the same position in every
+  site, and the in-site ``pmean`` of the resulting gradients then sums all
+  rows exactly (the weight gradient is linear in the rows), so exact dAD
+  equals pooled training; its inter-site payload per device is ``b /
+  per_site`` rows, the site's ``b`` rows in all. rank-dAD factorizes each
+  device's rows (not the site's), so it is not the 1-D run's factorization.
+  A batch stage whose state depends on the device's rows is refused.
 
   Returns:
     A :class:`TrainStep`.
 
   Raises:
     ValueError: for an unknown backend, a bad ``num_sites``, an axis not in
-      the mesh, or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
+      the mesh, a mesh with ``pmap`` / ``vmap``,
+      or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
       or ``"dad_state"`` (``average`` must be a subset of ``mutable``).
   """
   if backend not in BACKENDS:
@@ -512,15 +642,27 @@ def make_train_step(
     raise ValueError(f"batch_stage must be a dadjax.stage.BatchStage or None, got {batch_stage!r}")
   loss_fn = classification_loss(model) if loss_fn is None else loss_fn
   metrics_fn = default_metrics if metrics_fn is None else metrics_fn
-  site_step = _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name)
   donate_argnums = (0,) if donate else ()
-
+  inner: tuple[str, ...] = ()
+  per_site = 1
+  if backend != "shard_map" and mesh is not None:
+    raise ValueError(f"mesh is for backend='shard_map'; backend={backend!r} runs one device "
+                     "per site (1-D) and takes num_sites")
   if backend == "shard_map":
     if mesh is None:
       mesh = make_mesh(num_sites, axis_name)
     if axis_name not in mesh.axis_names:
       raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    if num_sites is not None and num_sites != mesh.shape[axis_name]:
+      raise ValueError(f"num_sites={num_sites} differs from the mesh's {axis_name!r} axis of "
+                       f"size {mesh.shape[axis_name]}; leave num_sites=None with a mesh")
     num_sites = mesh.shape[axis_name]
+    inner = tuple(a for a in mesh.axis_names if a != axis_name)
+    per_site = int(np.prod([mesh.shape[a] for a in inner])) if inner else 1
+  site_step = _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name,
+                            inner)
+
+  if backend == "shard_map":
 
     def blocked(state, batch):
       state = jax.tree.map(lambda x: x[0], state)
@@ -528,7 +670,7 @@ def make_train_step(
       return jax.tree.map(lambda x: x[None], (new_state, metrics))
 
     run = jax.jit(
-        jax.shard_map(blocked, mesh=mesh, in_specs=(P(axis_name), P(axis_name)),
+        jax.shard_map(blocked, mesh=mesh, in_specs=(P(axis_name), P((axis_name, *inner))),
                       out_specs=P(axis_name)),
         donate_argnums=donate_argnums)
   elif backend == "pmap":
@@ -550,7 +692,7 @@ def make_train_step(
     return {"loss": value, **metrics_fn(aux, batch)}
 
   return TrainStep(model, tx, loss_fn, metrics_fn, num_sites, axis_name, backend, mesh, mutable,
-                   average, batch_stage, run, eval_fn)
+                   average, batch_stage, run, eval_fn, inner, per_site)
 
 
 __all__ = [
