@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from dadjax._tree_utils import SpecMemo, check_axis_name
 from dadjax.comm._ledger import CommStats, ledger_init, ledger_record, tree_dense_bits
 
 
@@ -82,17 +83,24 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   Returns:
     An ``optax.GradientTransformation`` with state :class:`AllReduceState`.
 
+  Raises:
+    ValueError: at construction for a bad ``axis_name``; at ``update`` if the
+      updates' structure, shapes or dtypes differ from the params at ``init``.
+
   References:
     Li et al., "PyTorch Distributed: Experiences on Accelerating Data
     Parallel Training", VLDB 2020 (https://arxiv.org/abs/2006.15704).
   """
+  axis_name = check_axis_name(axis_name)
+  specs = SpecMemo("allreduce")
 
   def init_fn(params):
-    del params
+    specs.record(params)
     return AllReduceState(ledger_init())
 
   def update_fn(updates, state, params=None):
     del params
+    specs.check(updates)
     updates = mean_over_sites(updates, axis_name)
     bits = tree_dense_bits(updates)
     comm = ledger_record(state.comm, reduce=bits, dense=bits,

@@ -13,10 +13,14 @@ A compressor is a bundle of pure functions on pytrees (no collectives):
 
 Randomness comes only from ``key``, a :class:`Keys` pair: ``shared`` is the
 same on every site (for choices sites must agree on, e.g. RandomK indices or
-PowerSGD's initial ``Q``), ``site = fold_in(shared, site_index)`` drives
+PowerSGD's initial ``Q``), ``site`` is this site's own and drives
 independent per-site noise (stochastic rounding). ``decompress`` and
 ``aggregate`` may use only ``shared``: they also decode other sites'
-payloads. Compressors work per leaf; leaf ``i`` folds ``i`` into the keys.
+payloads. Keys are derived with domain separation (:func:`derive_key`):
+the shared and site keys of a step come from different branches of the
+seed, and each leaf's keys fold in the method's name and the leaf's *path*
+(not its position), so two transforms under ``optax.partition`` with the
+same seed draw different keys, and no site key equals any leaf's shared key.
 
 A compressor whose collective cannot be written as one psum / all-gather of
 a payload (PowerSGD's two rounds) supplies ``exchange`` itself; every other
@@ -25,13 +29,16 @@ compressor gets :func:`one_round_exchange`.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dadjax._tree_utils import tree_cast_like, tree_nbits, tree_num_leaves, tree_scale
+from dadjax._tree_utils import (check_float_leaves, leaf_path, tree_cast_like, tree_nbits,
+                                tree_num_leaves, tree_scale)
 from dadjax.comm import Bits, Traffic, axis_size, gather_sites, site_index, sum_over_sites
 
 COMMUNICATIONS = ("reduce", "gather")
@@ -44,22 +51,51 @@ class Keys(NamedTuple):
   site: jax.Array
 
 
+def derive_key(key: jax.Array, *parts: object) -> jax.Array:
+  """``key`` folded with a 64-bit hash of ``parts`` (domain separation).
+
+  ``parts`` are strings or ints naming a purpose, a method, a leaf path or
+  a site; different parts give (up to a 2^-64 collision) independent keys.
+  """
+  digest = hashlib.blake2b("\x1f".join(map(repr, parts)).encode(), digest_size=8).digest()
+  for i in (0, 4):
+    key = jax.random.fold_in(key, int.from_bytes(digest[i:i + 4], "little") & 0x7FFFFFFF)
+  return key
+
+
 def as_keys(key: Keys | jax.Array) -> Keys:
-  """Accept a :class:`Keys` or a plain key (one site: ``site = fold_in(key, 0)``)."""
+  """Accept a :class:`Keys` or a plain key (one site: ``site = derive_key(key, "site", 0)``)."""
   if isinstance(key, Keys):
     return key
-  return Keys(key, jax.random.fold_in(key, 0))
+  return Keys(key, derive_key(key, "site", 0))
 
 
 def step_keys(seed: int, step: jax.Array, axis_name: str | None) -> Keys:
-  """Keys of a step: ``shared = fold_in(key(seed), step)``, ``site = fold_in(shared, site)``."""
-  shared = jax.random.fold_in(jax.random.key(seed), step)
-  return Keys(shared, jax.random.fold_in(shared, site_index(axis_name)))
+  """Keys of a step, equal ``shared`` on every site and one ``site`` key per site.
+
+  ``shared = fold_in(derive_key(key(seed), "shared"), step)`` and
+  ``site = fold_in(fold_in(derive_key(key(seed), "site"), step), site_index)``:
+  the two come from separate branches of the seed, so no site key is a
+  shared (or leaf) key of any step.
+  """
+  root = jax.random.key(seed)
+  shared = jax.random.fold_in(derive_key(root, "shared"), step)
+  site = jax.random.fold_in(jax.random.fold_in(derive_key(root, "site"), step),
+                            site_index(axis_name))
+  return Keys(shared, site)
 
 
-def leaf_keys(keys: Keys, i: int) -> Keys:
-  """The keys of leaf ``i``."""
-  return Keys(jax.random.fold_in(keys.shared, i), jax.random.fold_in(keys.site, i))
+def leaf_keys(keys: Keys, leaf: int | str, method: str = "") -> Keys:
+  """The keys of one leaf: both keys folded with ``(method, "leaf", leaf)``.
+
+  Args:
+    keys: the step's :class:`Keys`.
+    leaf: the leaf's path (``"['block']['kernel']"``, preferred: it does not
+      depend on which other leaves a transform sees) or position.
+    method: the compressor's name.
+  """
+  return Keys(derive_key(keys.shared, method, "leaf", leaf),
+              derive_key(keys.site, method, "leaf", leaf))
 
 
 class Exchanged(NamedTuple):
@@ -93,6 +129,10 @@ class Compressor(NamedTuple):
     exchange: ``(grads, state, key, axis_name) -> Exchanged`` for protocols
       that are not one collective of one payload; ``None`` means
       :func:`one_round_exchange`.
+    memory: ``True`` when the compressor already keeps an error-feedback
+      memory of its own (PowerSGD with ``error_feedback=True``, or anything
+      :func:`~dadjax.compress.error_feedback` returned); wrapping it in
+      ``error_feedback`` again then returns it unchanged.
   """
 
   init: Callable[[Any], Any]
@@ -102,6 +142,7 @@ class Compressor(NamedTuple):
   communication: str
   aggregate: Callable[[Any, Any, Any], Any] | None = None
   exchange: Callable[[Any, Any, Any, str | None], Exchanged] | None = None
+  memory: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -160,12 +201,19 @@ def leafwise(
     decompress_leaf: Callable[[Any, Any, Keys], jax.Array],
     communication: str,
     aggregate_leaf: Callable[[Any, Any, Keys], jax.Array] | None = None,
+    *,
+    name: str = "",
 ) -> Compressor:
   """A stateless compressor applied to each leaf separately.
 
-  The Python loop over leaves runs at trace time; leaf ``i`` gets
-  :func:`leaf_keys` ``(key, i)``. The payload is a tuple with one entry per
-  leaf, and its size is its storage size (:func:`tree_nbits`).
+  The Python loop over leaves runs at trace time; each leaf gets
+  :func:`leaf_keys` ``(key, path, name)`` with its key path, so ``decompress``
+  and ``aggregate`` need a ``like`` with the gradients' structure. The
+  payload is a tuple with one entry per leaf, and its size is its storage
+  size (:func:`tree_nbits`). Empty leaves (a 0 in the shape) send nothing
+  (an empty entry ``()``) and decompress to an empty array, so the leaf
+  functions never see one. Leaves must be floating point: any other dtype
+  raises a ``ValueError`` naming the leaf.
 
   Args:
     compress_leaf: ``(x, keys) -> leaf payload``.
@@ -173,35 +221,45 @@ def leafwise(
     communication: ``"reduce"`` or ``"gather"``.
     aggregate_leaf: ``(gathered leaf payload, like_leaf, keys) -> x`` or
       ``None`` (mean of decompressions).
+    name: the method's name, folded into the keys.
 
   Returns:
     A :class:`Compressor`.
   """
   if communication not in COMMUNICATIONS:
     raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+  what = name or "compressor"
 
   def init(params):
-    del params
+    check_float_leaves(params, what)
     return EmptyState()
 
   def compress(grads, state, key):
     key = as_keys(key)
-    leaves = jax.tree.leaves(grads)
-    payload = tuple(compress_leaf(x, leaf_keys(key, i)) for i, x in enumerate(leaves))
+    check_float_leaves(grads, what)
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    payload = tuple(() if math.prod(jnp.shape(x)) == 0
+                    else compress_leaf(x, leaf_keys(key, leaf_path(p), name)) for p, x in leaves)
     return payload, state
+
+  def mean_leaf(gathered, like, key):
+    per_site = jax.vmap(lambda p: decompress_leaf(p, like, key))(gathered)
+    return jnp.mean(per_site.astype(jnp.float32), axis=0).astype(like.dtype)
 
   def over_leaves(leaf_fn):
     """Lift ``leaf_fn(payload_i, like_i, keys_i)`` to the whole payload tuple."""
 
     def apply(payload, like, key):
       key = as_keys(key)
-      like_leaves, treedef = jax.tree.flatten(like)
-      out = [leaf_fn(p, l, leaf_keys(key, i)) for i, (p, l) in enumerate(zip(payload, like_leaves))]
+      like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+      out = [jnp.zeros(l.shape, l.dtype) if math.prod(l.shape) == 0
+             else leaf_fn(p, l, leaf_keys(key, leaf_path(path), name))
+             for p, (path, l) in zip(payload, like_leaves)]
       return jax.tree.unflatten(treedef, out)
 
     return apply
 
-  aggregate = None if aggregate_leaf is None else over_leaves(aggregate_leaf)
+  aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
   return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
                     aggregate)
 

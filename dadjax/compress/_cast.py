@@ -62,7 +62,7 @@ def cast(dtype="bf16") -> Compressor:
     del key
     return payload.astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "reduce")
+  return leafwise(compress_leaf, decompress_leaf, "reduce", name=f"cast_{wire.name}")
 
 
 @register_compressor("identity", aliases=("fp32",))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from dadjax._tree_utils import tree_add, tree_sub, tree_zeros_like
+from dadjax._tree_utils import check_tree_matches, tree_add, tree_sub, tree_zeros_like
 from dadjax.compress._base import Compressor, Exchanged, as_keys, exchange
 from dadjax.registry import COMPRESSOR, Arg, register_compressor
 
@@ -27,13 +27,25 @@ def error_feedback(compressor: Compressor) -> Compressor:
   sites). Nothing is lost, only delayed, which restores convergence for
   biased compressors such as TopK and scaled sign.
 
+  A compressor that already keeps its own memory (``compressor.memory``:
+  PowerSGD with its default ``error_feedback=True``, or the result of an
+  earlier ``error_feedback``) is returned unchanged, so its memory is
+  applied once: ``error_feedback(powersgd(2))`` (the ``"ef_powersgd:2"``
+  spec) is ``powersgd(2)``, PowerSGD's own error feedback as in the paper.
+
   Args:
     compressor: any :class:`Compressor` (its exchange may be multi-round:
       then the local reconstruction it reports is subtracted).
 
   Returns:
     A :class:`Compressor` with the same payload, bits and communication,
-    whose state is :class:`ErrorFeedbackState`.
+    whose state is :class:`ErrorFeedbackState` (or ``compressor`` itself
+    when it has a memory already).
+
+  Raises:
+    ValueError: at once if ``compressor`` is not a :class:`Compressor`; at
+      ``compress`` / exchange time if the gradients' structure, shapes or
+      dtypes differ from the params given to ``init`` (naming the leaf).
 
   References:
     Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
@@ -43,18 +55,25 @@ def error_feedback(compressor: Compressor) -> Compressor:
     Fixes SignSGD and other Gradient Compression Schemes", ICML 2019
     (https://arxiv.org/abs/1901.09847).
   """
+  if not isinstance(compressor, Compressor):
+    raise ValueError(f"error_feedback wraps a Compressor (e.g. dadjax.compress.topk(0.01)), "
+                     f"got {type(compressor).__name__}: {compressor!r}")
+  if compressor.memory:
+    return compressor
 
   def init(params):
     return ErrorFeedbackState(compressor.init(params), tree_zeros_like(params))
 
   def compress(grads, state, key):
     key = as_keys(key)
+    check_tree_matches(grads, state.memory, "error_feedback")
     corrected = tree_add(grads, state.memory)
     payload, inner = compressor.compress(corrected, state.inner, key)
     local = compressor.decompress(payload, corrected, key)
     return payload, ErrorFeedbackState(inner, tree_sub(corrected, local))
 
   def exchange_fn(grads, state, key, axis_name):
+    check_tree_matches(grads, state.memory, "error_feedback")
     corrected = tree_add(grads, state.memory)
     out = exchange(compressor, corrected, state.inner, key, axis_name)
     memory = tree_sub(corrected, out.local)
@@ -68,4 +87,5 @@ def error_feedback(compressor: Compressor) -> Compressor:
       communication=compressor.communication,
       aggregate=compressor.aggregate,
       exchange=exchange_fn,
+      memory=True,
   )

@@ -9,24 +9,23 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._tree_utils import tree_nbits
+from dadjax._linalg import orthogonalize
+from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import axis_size, sum_over_sites
-from dadjax.compress._base import Compressor, Exchanged, Keys, Traffic, as_keys, check_int
+from dadjax.compress._base import (Compressor, Exchanged, Keys, Traffic, as_keys, check_int,
+                                   derive_key)
 from dadjax.registry import Arg, register_compressor
-
-# A column whose norm falls below this fraction of its norm before
-# orthogonalization is numerically dependent on the previous ones (or zero)
-# and is dropped (set to 0), so rank-deficient or zero gradients give no NaN.
-_DEPENDENT = 1e-4
 
 
 class PowerSGDState(NamedTuple):
   """Per group of same-shape matrices: warm-start ``q`` and residual ``memory``.
 
   Attributes:
-    q: one ``(B, n, r)`` array per group (the sites' mean ``Q`` of the last
-      step); empty without warm start. A zero column is re-drawn from the
-      shared key (this is also how the first step is initialized).
+    q: one ``(B, n, r)`` array per group: the sites' mean ``Q`` of the last
+      step, orthonormalized (the same span, at unit scale, so that repeated
+      steps on tiny gradients cannot underflow); empty without warm start.
+      A zero column is re-drawn from the shared key (this is also how the
+      first step is initialized).
     memory: one ``(B, m, n)`` array per group (error feedback); empty when
       error feedback is off.
   """
@@ -72,36 +71,6 @@ def _make_plan(shapes, rank: int, min_compression_rate: float) -> _Plan:
   return _Plan(tuple(_Group(m, n, r, tuple(ix)) for (m, n, r), ix in groups.items()), tuple(raw))
 
 
-def orthogonalize(p: jax.Array) -> jax.Array:
-  """Gram-Schmidt on the columns of ``p`` (..., m, r), NaN-free.
-
-  Column ``i`` is projected off the already orthonormal columns ``0..i-1``
-  twice (classical Gram-Schmidt with re-orthogonalization, as accurate as
-  modified Gram-Schmidt and two matrix products per column), then
-  normalized; a column that is zero or dependent on the previous ones
-  becomes 0 instead of noise or NaN.
-
-  Args:
-    p: a (batch of) tall matrices.
-
-  Returns:
-    Same shape; non-zero columns orthonormal.
-  """
-  r = p.shape[-1]
-  cols = []
-  for i in range(r):
-    v = p[..., i]
-    before = jnp.linalg.norm(v, axis=-1, keepdims=True)
-    if cols:
-      done = jnp.stack(cols, axis=-1)  # (..., m, i)
-      for _ in range(2):
-        v = v - jnp.einsum("...mi,...i->...m", done, jnp.einsum("...mi,...m->...i", done, v))
-    after = jnp.linalg.norm(v, axis=-1, keepdims=True)
-    keep = after > _DEPENDENT * before
-    cols.append(jnp.where(keep, v / jnp.where(keep, after, 1.0), 0.0))
-  return jnp.stack(cols, axis=-1)
-
-
 @register_compressor(
     "powersgd",
     Arg("rank", int, within="[1, inf)", doc="rank r"),
@@ -129,10 +98,12 @@ def powersgd(
   than 2 dimensions, or where ``min_compression_rate * r (m + n) >= m n``,
   are all-reduced uncompressed in fp32 (together with the first ``P``).
 
-  With ``warm_start`` the all-reduced ``Q`` is kept in the state and starts
-  the next step's iteration; otherwise (and on the first step, and for any
-  column that became zero) ``Q`` is drawn from a normal distribution with
-  the key shared by all sites. With ``error_feedback`` the state keeps, as
+  With ``warm_start`` the all-reduced ``Q``, orthonormalized (which keeps
+  its span, so the next orthogonalized ``P`` is unchanged, and keeps it at
+  unit scale, so tiny gradients cannot underflow over the steps), is kept
+  in the state and starts the next step's iteration; otherwise (and on the
+  first step, and for any column that became zero) ``Q`` is drawn from a
+  normal distribution with the key shared by all sites. With ``error_feedback`` the state keeps, as
   the paper's reference implementation does, ``e = M - P Q^T / num_sites``
   (this site's corrected gradient minus the applied average) and adds it to
   the next gradient.
@@ -143,7 +114,8 @@ def powersgd(
     iters: power iterations per step, ``>= 1`` (each costs two all-reduces);
       the paper uses 1 with warm start.
     warm_start: reuse the last ``Q``.
-    error_feedback: keep the residual memory.
+    error_feedback: keep the residual memory (then the compressor's
+      ``memory`` is ``True`` and :func:`error_feedback` leaves it as is).
     min_compression_rate: compress a matrix only when
       ``min_compression_rate * r * (m + n) < m * n``; ``>= 0`` (0 compresses
       every matrix, PyTorch's hook uses 2).
@@ -172,13 +144,18 @@ def powersgd(
                       min_compression_rate)
 
   def init(params):
+    check_float_leaves(params, "powersgd")
     plan = plan_of(params)
     q = tuple(jnp.zeros((len(g.leaves), g.n, g.r), jnp.float32) for g in plan.groups)
     memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
     return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
 
-  def start_q(gi, g, state, key: Keys):
-    fresh = jax.random.normal(jax.random.fold_in(key.shared, gi), (len(g.leaves), g.n, g.r))
+  def start_q(gi, g, state, key: Keys, grads):
+    # Keyed by the group's first leaf path: independent of which other
+    # leaves this transform sees (e.g. under optax.partition).
+    path = leaf_path(jax.tree_util.tree_flatten_with_path(grads)[0][g.leaves[0]][0])
+    fresh = jax.random.normal(derive_key(key.shared, "powersgd", "start_q", path),
+                              (len(g.leaves), g.n, g.r))
     if not warm_start:
       return fresh
     prev = state.q[gi]
@@ -201,7 +178,7 @@ def powersgd(
     for gi, g in enumerate(plan.groups):
       m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
       ms.append(m + state.memory[gi] if error_feedback else m)
-    qs = [start_q(gi, g, state, key) for gi, g in enumerate(plan.groups)]
+    qs = [start_q(gi, g, state, key, grads) for gi, g in enumerate(plan.groups)]
     raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
     raw_sum = psum(raw) if raw and not ms else raw
     ps, q_local = [], []
@@ -228,7 +205,7 @@ def powersgd(
       mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
 
     new_state = PowerSGDState(
-        tuple(q / num_sites for q in qs) if warm_start else (),
+        tuple(orthogonalize(q / num_sites) for q in qs) if warm_start else (),
         tuple(memory) if error_feedback else ())
     traffic = Traffic(reduce=tree_nbits(sent), gather=0, reduce_calls=len(sent), gather_calls=0)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
@@ -236,6 +213,7 @@ def powersgd(
     return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)
 
   def compress(grads, state, key):
+    check_float_leaves(grads, "powersgd")
     out, payload = run(grads, state, key, None)
     return payload, out.state
 
@@ -256,6 +234,8 @@ def powersgd(
     return iters * tree_nbits((payload.p, payload.q)) + tree_nbits(payload.raw)
 
   def exchange_fn(grads, state, key, axis_name):
+    check_float_leaves(grads, "powersgd")
     return run(grads, state, key, axis_name)[0]
 
-  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn)
+  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn,
+                    memory=error_feedback)

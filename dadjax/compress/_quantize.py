@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dadjax._linalg import safe_norm
 from dadjax.compress._base import Compressor, check_int, leafwise
 from dadjax.compress._packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
@@ -93,7 +94,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
     magnitude = (codes >> 1).astype(jnp.float32) * (norm / s)
     return _signed(magnitude, (codes & 1) == 1).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd")
 
 
 @register_compressor("terngrad", Arg("clip", float, within="(0, inf)", doc="clip at clip * std"))
@@ -105,9 +106,13 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
   tensor adds its fp32 scale ``max|g|``.
 
   Args:
-    clip: clip each tensor to ``[-clip * std, clip * std]`` before
+    clip: clip each tensor to ``[-clip * sigma, clip * sigma]`` before
       ternarizing, as the paper does (``c = 2.5``); ``None`` disables it
-      (then the estimate is unbiased for the raw gradient).
+      (then the estimate is unbiased for the raw gradient). ``sigma =
+      sqrt(mean(g^2))`` is the standard deviation about 0 of the paper's
+      zero-mean gradient model; unlike the sample standard deviation it is
+      non-zero for every non-zero tensor, so scalar, one-entry and
+      constant tensors are not clipped to 0 (they are sent exactly).
 
   Returns:
     A ``"gather"`` :class:`Compressor`.
@@ -126,7 +131,7 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
   def compress_leaf(x, key):
     flat = x.reshape(-1).astype(jnp.float32)
     if clip is not None:
-      bound = clip * jnp.std(flat)
+      bound = clip * safe_norm(flat) / math.sqrt(flat.size)  # no underflow of g^2
       flat = jnp.clip(flat, -bound, bound)
     scale = jnp.max(jnp.abs(flat))
     keep = jax.random.uniform(key.site, flat.shape) < jnp.abs(flat) / jnp.where(scale > 0, scale, 1.0)
@@ -139,7 +144,7 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
     magnitude = (codes & 1).astype(jnp.float32) * p.scale
     return _signed(magnitude, (codes >> 1) == 1).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad")
 
 
 def _sign_codes(x):
@@ -183,7 +188,7 @@ def sign() -> Compressor:
                         axis=0, dtype=jnp.int32)
     return jnp.sign(n - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf)
+  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign")
 
 
 @register_compressor("scaled_sign")
@@ -213,4 +218,4 @@ def scaled_sign() -> Compressor:
     negative = unpack_bits(p.words, 1, _size(like)) == 1
     return _signed(p.scale, negative).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign")

@@ -69,7 +69,7 @@ def topk(ratio: float = 0.01) -> Compressor:
     total = _scatter(gathered.values.reshape(-1), gathered.indices.reshape(-1), like)
     return (total.astype(jnp.float32) / n).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf)
+  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="topk")
 
 
 def _shared_indices(key, size: int, k: int) -> jax.Array:
@@ -125,4 +125,4 @@ def randomk(ratio: float = 0.01) -> Compressor:
     idx = _shared_indices(key.shared, size, k)
     return _scatter(values.astype(jnp.float32) * (size / k), idx, like)
 
-  return leafwise(compress_leaf, decompress_leaf, "reduce")
+  return leafwise(compress_leaf, decompress_leaf, "reduce", name="randomk")

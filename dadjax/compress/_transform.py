@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
 from dadjax.compress._base import Compressor, exchange, step_keys
 
@@ -33,8 +35,9 @@ def compressed(
   Q or shared-index RandomK values; an all-gather of TopK, QSGD, TernGrad or
   sign payloads), decompresses, averages over sites and records the ledger:
   the payload bits as reduce / gather traffic, and ``dense`` = the fp32 size
-  of the gradients. Step ``t`` uses the keys ``shared = fold_in(key(seed),
-  t)`` and ``site = fold_in(shared, site_index)``.
+  of the gradients. Step ``t`` uses :func:`~dadjax.compress.step_keys`
+  ``(seed, t)``: a ``shared`` key equal on every site and an independent
+  ``site`` key per site, further separated per method and leaf path.
 
   Composes like any optax transformation, e.g. ``optax.chain(compressed(
   topk(0.01)), optax.sgd(0.1, momentum=0.9))``, inside ``optax.MultiSteps``
@@ -46,22 +49,42 @@ def compressed(
       ``powersgd(rank=4)`` or ``get_compressor("ef_topk:0.01")``.
     axis_name: the mesh / pmap / vmap axis of the sites; ``None`` runs as one
       site (compress and decompress only, bits still recorded).
-    seed: seed of the keys.
+    seed: seed of the keys (an int).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`CompressedState`.
+
+  Raises:
+    ValueError: at construction, if ``compressor`` is not a
+      :class:`~dadjax.compress.Compressor`, ``axis_name`` is not a str, a
+      tuple of str or ``None``, or ``seed`` is not an int; at ``init`` /
+      ``update``, for a leaf that is not floating point; at ``update``,
+      if the updates' tree structure, shapes or dtypes differ from the
+      params given to ``init`` (the message names the first differing leaf).
 
   References:
     Xu et al., "GRACE: A Compressed Communication Framework for Distributed
     Machine Learning", ICDCS 2021 (https://arxiv.org/abs/1910.03474) -- the
     compress / communicate / decompress decomposition.
   """
+  if not isinstance(compressor, Compressor):
+    raise ValueError(f"compressor must be a Compressor (e.g. dadjax.compress.topk(0.01)), "
+                     f"got {type(compressor).__name__}: {compressor!r}")
+  axis_name = check_axis_name(axis_name)
+  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    raise ValueError(f"seed must be an int, got {seed!r}")
+  seed = int(seed)
+  specs = SpecMemo("compressed")
 
   def init_fn(params):
+    check_float_leaves(params, "compressed")
+    specs.record(params)
     return CompressedState(jnp.zeros([], jnp.int32), compressor.init(params), ledger_init())
 
   def update_fn(updates, state, params=None):
     del params
+    specs.check(updates)
+    check_float_leaves(updates, "compressed")
     keys = step_keys(seed, state.count, axis_name)
     out = exchange(compressor, updates, state.inner, keys, axis_name)
     comm = ledger_record(state.comm, reduce=out.traffic.reduce, gather=out.traffic.gather,

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dadjax._linalg import project_out, safe_norm
+
 
 class Factors(NamedTuple):
   """A masked rank-r factorization ``G ~= u @ v.T``.
@@ -90,15 +92,6 @@ def _operators(a, d, memory, route, precision):
   return g_mv, (lambda b: gt_mv(g_mv(b)))
 
 
-def _deflate(x, basis):
-  # Project out the components already found. Applied twice ("twice is
-  # enough", Kahan / Parlett) so the basis stays orthonormal in float32 even
-  # when x lies almost entirely in span(basis).
-  for _ in range(2):
-    x = x - basis @ (basis.T @ x)
-  return x
-
-
 def _vma(x) -> frozenset:
   """Mesh axes ``x`` is typed as varying along (empty outside shard_map)."""
   aval = jax.typeof(x)
@@ -115,12 +108,6 @@ def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
   """
   missing = frozenset().union(*map(_vma, refs)) - _vma(x)
   return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-
-def _normalize(x):
-  norm = jnp.linalg.norm(x)
-  safe = jnp.where(norm > 0, norm, 1.0)
-  return jnp.where(norm > 0, x / safe, jnp.zeros_like(x)), norm
 
 
 def factorize(
@@ -148,7 +135,13 @@ def factorize(
   on ``G^T G``, whose round-off is ``eps * sigma_0^2``, so directions with
   ``sigma_k / sigma_0`` below ``sqrt(eps)`` (3.5e-4 in float32) cannot be
   resolved: such components are round-off, would break the orthogonality
-  of the basis, and carry at most ``eps * sigma_0^2`` of energy.
+  of the basis, and carry at most ``eps * sigma_0^2`` of energy. For the
+  same reason a vector whose norm drops below ``sqrt(eps)`` times its norm
+  when deflated against the found components is treated as 0 (it lay in
+  their span; normalizing the round-off left over would add a direction
+  that is not in ``G``), and at most ``min(n, d_in, d_out)`` components are
+  kept: ``G`` has no more. A warm start that lies in the span of the found
+  components falls back to the random start.
 
   Because the found ``b_k`` are orthonormal and ``u = G v``, the result is
   the projection ``G v v^T``: once ``rank`` >= rank(G) the factorization is
@@ -181,6 +174,7 @@ def factorize(
   route = product_route(n, d_in, d_out, rank * iters, memory is not None)
   g_mv, gtg_mv = _operators(a, d, memory, route, precision)
   resolution = float(np.sqrt(np.finfo(np.dtype(dtype)).eps))
+  cap = min(n, d_in, d_out)  # rank(G) <= cap: further components are round-off
 
   refs = [a, d, jax.random.key_data(key)] + [x for x in (init, memory) if x is not None]
 
@@ -188,11 +182,13 @@ def factorize(
     # One loop over components (not a Python unroll) keeps compile time
     # independent of the rank.
     basis, us, sigmas, used, alive, sigma0 = carry
+    alive = alive & (k < cap)
     start = jax.random.normal(jax.random.fold_in(key, k), (d_out,), dtype)
+    b0, _ = project_out(start, basis, resolution)
     if init is not None:
       warm = jax.lax.dynamic_index_in_dim(init, k, axis=1, keepdims=False).astype(dtype)
-      start = jnp.where(jnp.linalg.norm(warm) > 0, warm, start)
-    b0, _ = _normalize(_deflate(start, basis))
+      warm, warm_norm = project_out(warm, basis, resolution)
+      b0 = jnp.where(warm_norm > 0, warm, b0)
 
     def cond(inner):
       it, _, change = inner
@@ -201,14 +197,14 @@ def factorize(
 
     def body(inner):
       it, b, _ = inner
-      b_new, _ = _normalize(_deflate(gtg_mv(b), basis))
+      b_new, _ = project_out(gtg_mv(b), basis, resolution)
       return it + 1, b_new, jnp.linalg.norm(b_new - b)
 
     inner = jax.tree.map(lambda c: vary_like(c, *refs),
                          (jnp.int32(0), b0, jnp.asarray(jnp.inf, dtype)))
     it, b, _ = jax.lax.while_loop(cond, body, inner)
     u = g_mv(b)
-    sigma = jnp.linalg.norm(u)
+    sigma = safe_norm(u)
     sigma0 = jnp.where(k == 0, sigma, sigma0)
     keep = alive & (sigma > 0) & (sigma > resolution * sigma0) & jnp.isfinite(sigma)
     basis = basis.at[:, k].set(jnp.where(keep, b, 0))

@@ -25,7 +25,7 @@ import optax
 from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits_zero, host_array,
                          ledger_init, ledger_record, tree_dense_bits)
 from dadjax.dad._dense import STATE_NAME, Dense, layer_bits, layer_route
-from dadjax._tree_utils import path_names
+from dadjax._tree_utils import SpecMemo, check_axis_name, path_names
 from dadjax.parallel import STATE_COLLECTION
 
 MaskLike = Any | Callable[[Any], Any]
@@ -225,17 +225,33 @@ def synchronize(
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`SynchronizeState`.
 
+  Raises:
+    ValueError: at construction for a bad ``axis_name``, ``other`` or
+      ``record_model_comm``; at ``update`` if the updates' structure, shapes
+      or dtypes differ from the params at ``init``.
+
   References:
     Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
     Differentiation" (https://arxiv.org/abs/2102.09631).
   """
+  axis_name = check_axis_name(axis_name)
+  if other is not None and not isinstance(other, optax.GradientTransformation):
+    raise ValueError(f"other must be an optax.GradientTransformation or None, got {other!r}")
+  if not isinstance(record_model_comm, bool):
+    raise ValueError(f"record_model_comm must be a bool, got {record_model_comm!r}")
+  if mask is None:
+    raise ValueError("mask must be a pytree of bools over the parameters or a callable "
+                     "params -> mask (see dadjax.dad.layer_mask), got None")
+  specs = SpecMemo("synchronize")
   other = allreduce(axis_name) if other is None else other
   inner = optax.masked(other, lambda tree: jax.tree.map(lambda b: not b, _resolve(mask, tree)))
 
   def init_fn(params):
+    specs.record(params)
     return SynchronizeState(ledger_init(), inner.init(params))
 
   def update_fn(updates, state, params=None, *, model_comm=None, **extra_args):
+    specs.check(updates)
     out, other_state = inner.update(updates, state.other, params, **extra_args)
     marked = _resolve(mask, updates)
     dad_leaves = jax.tree.leaves(jax.tree.map(lambda u, b: u if b else None, updates, marked))

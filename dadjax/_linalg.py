@@ -1,0 +1,79 @@
+"""The orthogonalization kernel shared by PowerSGD and rank-dAD.
+
+Both methods run a power iteration that keeps a set of orthonormal vectors:
+PowerSGD orthogonalizes the columns of ``P`` (and keeps its warm-start ``Q``
+orthonormal), rank-dAD deflates each new right factor against the ones it
+already found. One kernel serves both, :func:`project_out`: project a
+vector off an orthonormal basis twice ("twice is enough", Kahan / Parlett),
+then normalize it, or return exactly 0 when what is left is below a
+relative threshold (the vector was zero or numerically dependent on the
+basis: its remainder is round-off, and normalizing it would add a
+direction that is not in the data and break orthogonality). Norms are
+computed scale-safely, so vectors of any magnitude the dtype can hold
+(``1e-30`` in float32) neither underflow nor overflow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def safe_norm(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+  """Euclidean norm along ``axis`` without underflow or overflow of the squares.
+
+  Computes ``s * ||x / s||`` with ``s = max |x|``; 0 for a zero vector.
+  """
+  scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+  norm = jnp.linalg.norm(x / safe, axis=axis, keepdims=True) * scale
+  return norm if keepdims else jnp.squeeze(norm, axis=axis)
+
+
+def project_out(v: jax.Array, basis: jax.Array | None, rtol: float) -> tuple[jax.Array, jax.Array]:
+  """``v`` made orthogonal to ``basis`` and normalized, or 0 if nothing is left.
+
+  Args:
+    v: (..., m) vectors.
+    basis: (..., m, k) with orthonormal or zero columns (zero columns are
+      ignored), or ``None`` (nothing to project out).
+    rtol: relative threshold: when the norm after projection is at most
+      ``rtol`` times the norm before, the result is 0.
+
+  Returns:
+    ``(unit, norm)``: ``unit`` (..., m) is a unit vector orthogonal to the
+    basis or exactly 0; ``norm`` (...) is the norm after projection, 0 when
+    ``unit`` is 0. No NaN for any finite input.
+  """
+  before = safe_norm(v, keepdims=True)
+  if basis is not None and basis.shape[-1] > 0:
+    for _ in range(2):
+      v = v - jnp.einsum("...mk,...k->...m", basis, jnp.einsum("...mk,...m->...k", basis, v))
+  after = safe_norm(v, keepdims=True)
+  keep = after > rtol * before
+  unit = jnp.where(keep, v / jnp.where(keep, after, jnp.ones_like(after)), jnp.zeros_like(v))
+  return unit, jnp.squeeze(jnp.where(keep, after, jnp.zeros_like(after)), axis=-1)
+
+
+def orthogonalize(p: jax.Array, rtol: float = 1e-4) -> jax.Array:
+  """Gram-Schmidt on the columns of ``p`` (..., m, r), NaN-free.
+
+  Column ``i`` is projected off the already orthonormal columns ``0..i-1``
+  twice (classical Gram-Schmidt with re-orthogonalization, as accurate as
+  modified Gram-Schmidt and two matrix products per column), then
+  normalized (:func:`project_out`); a column that is zero or dependent on
+  the previous ones (its norm falls below ``rtol`` times its norm before the
+  projection) becomes 0 instead of noise or NaN.
+
+  Args:
+    p: a (batch of) tall matrices.
+    rtol: relative threshold of dependence, default ``1e-4``.
+
+  Returns:
+    Same shape; non-zero columns orthonormal.
+  """
+  cols = []
+  for i in range(p.shape[-1]):
+    done = jnp.stack(cols, axis=-1) if cols else None
+    cols.append(project_out(p[..., i], done, rtol)[0])
+  return jnp.stack(cols, axis=-1) if cols else p
