@@ -7,7 +7,10 @@ d_in x d_out matrix, the backward pass of :func:`dense` synchronizes the
 layer itself, by one of four routes chosen by ``mode``:
 
 * ``"exact"`` (dAD): all-gather ``[A, D]`` (n (d_in + d_out) numbers per
-  site); every site computes the same exact global gradient.
+  site); every site computes the same exact global gradient. With
+  ``quantize_bits=b`` (quantized dAD, :mod:`dadjax.dad._quantized`) ``A``
+  and ``D`` travel stochastically rounded to ``b`` bits per number: the
+  gradient is then exact in expectation.
 * ``"rank"`` (rank-dAD): each site factorizes its local ``A^T D`` to rank r
   with the structured power iteration (:func:`~dadjax.dad.factorize`) and
   all-gathers the factors, r (d_in + d_out) numbers, plus its d_out column
@@ -60,6 +63,7 @@ from flax.linen.linear import default_kernel_init
 
 from dadjax.comm import axis_size, bits_const, gather_sites, site_index, sum_over_sites
 from dadjax.dad._power import factorize
+from dadjax.dad._quantized import quantize_keys, quantized_gather, quantized_gather_bits
 from dadjax.parallel import COMM_COLLECTION, STATE_COLLECTION
 
 STATE_NAME = "dad"
@@ -93,6 +97,9 @@ class DadConfig:
     seed: seed of the random starts; the key is ``fold_in(key(seed),
       step)``, identical on every site. Default 0.
     precision: ``jax.lax.Precision`` of the matmuls. Default ``None``.
+    quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
+      rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
+      unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
   """
 
   axis_name: str | None = "data"
@@ -105,6 +112,7 @@ class DadConfig:
   error_feedback: bool = False
   seed: int = 0
   precision: Any = None
+  quantize_bits: int | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -122,6 +130,13 @@ class DadConfig:
       if getattr(self, flag) and self.mode != "rank":
         raise ValueError(f"{flag} applies to mode='rank' only, got mode={self.mode!r}")
     _check_int("seed", self.seed, 0)
+    if self.quantize_bits is not None:
+      if self.mode != "exact":
+        raise ValueError(f"quantize_bits applies to mode='exact' only, got mode={self.mode!r}")
+      if (isinstance(self.quantize_bits, bool) or not isinstance(self.quantize_bits, int)
+          or not 1 <= self.quantize_bits <= 8):
+        raise ValueError(f"quantize_bits must be None or an int in [1, 8], "
+                         f"got {self.quantize_bits!r}")
 
 
 def layer_route(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bool = True) -> str:
@@ -156,7 +171,8 @@ def layer_bits(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bo
   """Bits one site hands to collectives in one backward pass of one call.
 
   * gather (exact dAD): ``rows (d_in + d_out) b``; the bias gradient is the
-    column sum of the gathered ``D``, no extra bits.
+    column sum of the gathered ``D``, no extra bits. With ``quantize_bits``:
+    :func:`~dadjax.dad._quantized.quantized_gather_bits`.
   * factors (rank-dAD): ``r (d_in + d_out) b`` gathered, plus ``d_out b``
     for the exact bias (``D`` itself is not sent); two-way adds the
     broadcast of the global factors, ``r (d_in + d_out) b`` all-reduced.
@@ -181,6 +197,8 @@ def layer_bits(config: DadConfig, rows: int, d_in: int, d_out: int, use_bias: bo
     return 0, 0
   route = layer_route(config, rows, d_in, d_out, use_bias)
   bias = d_out if use_bias else 0
+  if route == "gather" and config.quantize_bits is not None:
+    return quantized_gather_bits(rows, d_in, d_out, config.quantize_bits), 0
   if route == "gather":
     return rows * (d_in + d_out) * number_bits, 0
   if route == "allreduce":
@@ -300,7 +318,13 @@ def _dense_bwd(config, res, dy):
   new_state = None if state is None else {
       "uses": jnp.ones((), jnp.float32), "step": cur["step"] + 1}
 
-  if route == "gather":
+  if route == "gather" and config.quantize_bits is not None:
+    step = cur["step"] if cur is not None else 0
+    keys = quantize_keys(config.seed, step, axis)
+    a_all, d_all = quantized_gather(a, d, config.quantize_bits, keys, axis, invariant=invariant)
+    gk = dot(a_all.T, d_all) * scale
+    gb = jnp.sum(d_all, axis=0) * scale
+  elif route == "gather":
     rows = gather_sites(jnp.concatenate([a, d], axis=1), axis, invariant=invariant)
     rows = rows.reshape(-1, d_in + d_out)
     a_all, d_all = rows[:, :d_in], rows[:, d_in:]
@@ -474,9 +498,10 @@ class Dense(nn.Module):
     kernel_init: default ``lecun_normal()`` (Flax's).
     bias_init: default zeros.
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed: see :class:`DadConfig` (defaults ``"data"``,
-      ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0). The seed is
-      combined with the layer's path, so layers draw different starts.
+    error_feedback, seed, quantize_bits: see :class:`DadConfig` (defaults
+      ``"data"``, ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0,
+      None). The seed is combined with the layer's path, so layers draw
+      different starts (and rounding noise).
     capture: expose ``A`` and ``D`` (above). Default False.
 
   References:
@@ -500,6 +525,7 @@ class Dense(nn.Module):
   warm_start: bool = False
   error_feedback: bool = False
   seed: int = 0
+  quantize_bits: int | None = None
   capture: bool = False
 
   def __post_init__(self):
