@@ -218,7 +218,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--steps", type=int, default=120)
   parser.add_argument("--eval-every", type=int, default=10)
-  parser.add_argument("--target", type=float, default=0.9)
+  parser.add_argument("--target", type=float, default=0.92)
   parser.add_argument("--widths", default="64,256,1024")
   parser.add_argument("--out", default=str(ROOT / "results"))
   args = parser.parse_args(argv)
