@@ -9,7 +9,8 @@ building blocks for writing new methods.
 """
 
 from dadjax import comm, compress, dad, data, extend, models, parallel, registry
-from dadjax.comm import AllReduceState, CommStats, CommSummary, NetworkModel, allreduce, comm_stats
+from dadjax.comm import (AllReduceState, CommStats, CommSummary, NetworkModel, accumulate, allreduce,
+                         comm_stats)
 from dadjax.compress import (
     CompressedState,
     Compressor,

@@ -132,3 +132,68 @@ def test_step_time_charges_each_kind_its_own_calls():
   expected = (2 * 3 / 4 * 64 * 32 / 1e9 + 2 * 3 * 1e-3
               + 3 * k * 64 / 1e9 + 3 * 1e-3 * summary.gather_calls)
   assert net.step_time(summary) == pytest.approx(expected)
+
+
+def test_wire_bits_per_topology_hand_computed():
+  from dadjax.comm import wire_bits
+  b = 1000
+  assert wire_bits("reduce", b, 4, "ring") == 1500  # 2 (N-1)/N B
+  assert wire_bits("gather", b, 4, "ring") == 3000  # (N-1) B
+  assert wire_bits("reduce", b, 4, "ps") == 2000  # a worker's link: B up, B down
+  assert wire_bits("gather", b, 4, "ps") == 4000  # B up, (N-1) B down
+  assert wire_bits("gather", b, 1, "ring") == wire_bits("reduce", b, 1, "ps") == 0
+  with pytest.raises(ValueError, match="topology"):
+    wire_bits("reduce", b, 4, "tree")
+  with pytest.raises(ValueError, match="num_sites"):
+    wire_bits("reduce", b, 0)
+
+
+def test_network_model_hand_computed_times_per_topology():
+  ring = dadjax.NetworkModel(bandwidth=1e6, latency=1e-3, num_sites=4, topology="ring")
+  ps = dadjax.NetworkModel(bandwidth=1e6, latency=1e-3, num_sites=4, topology="ps")
+  assert ring.allreduce_time(1000) == pytest.approx(1500 / 1e6 + 6e-3)
+  assert ring.allgather_time(1000) == pytest.approx(3000 / 1e6 + 3e-3)
+  assert ps.allreduce_time(1000) == pytest.approx(4 * 2000 / 1e6 + 2e-3)  # server link: N workers
+  assert ps.allgather_time(1000) == pytest.approx(4 * 4000 / 1e6 + 2e-3)
+
+
+def _summary(reduce=1000, gather=500, dense=3200, reduce_calls=2, gather_calls=1):
+  return dadjax.CommSummary((reduce,), (gather,), (dense,), (reduce + gather,), (dense,),
+                            reduce_calls, gather_calls, 1, 1)
+
+
+def test_comm_summary_wire_bits_ratios_and_baselines():
+  s = _summary()
+  assert s.wire_bits(4, "ring") == 1500 + 1500
+  assert s.fp32_wire_bits(4, "ring") == 4800 and s.bf16_wire_bits(4, "ring") == 2400
+  assert s.wire_ratio(4, "ring") == pytest.approx(1.6)
+  assert s.wire_ratio(4, "ring", "bf16") == pytest.approx(0.8)
+  assert s.wire_bits(4, "ps") == 2000 + 2000
+  assert s.compression_ratio == pytest.approx(3200 / 1500)  # the payload ratio
+  assert "ring, N=4" in s.headline(4)
+  # An all-gather's wire bits grow with N: at N = 64 the method sends more than fp32.
+  assert s.wire_ratio(64, "ring") < 1
+
+
+def test_step_time_charges_latency_per_compiled_op():
+  s = _summary()
+  net = dadjax.NetworkModel(bandwidth=1e6, latency=1e-3, num_sites=4)
+  by_calls = 1500 / 1e6 + 2 * 6e-3 + 1500 / 1e6 + 1 * 3e-3
+  assert net.step_time(s) == pytest.approx(by_calls)
+  by_ops = 1500 / 1e6 + 6e-3 + 1500 / 1e6 + 3e-3  # XLA combined the two reduce calls
+  assert net.step_time(s, ops={"reduce": 1, "gather": 1}) == pytest.approx(by_ops)
+  report = net.report(s, ops={"reduce": 1, "gather": 1})
+  assert report["setting"] == "ring, N=4" and report["wire_bits"] == 3000
+  assert report["bf16_time_s"] == pytest.approx(2400 / 1e6 + 6e-3)
+
+
+def test_comm_stats_scales_ledgers_updated_at_different_rates():
+  outer, inner = comm.ledger_init(), comm.ledger_init()
+  for _ in range(4):  # every micro-step: a dAD layer's gather
+    outer = comm.ledger_record(outer, gather=100, gather_calls=1)
+  inner = comm.ledger_record(inner, reduce=50, dense=64, reduce_calls=1)  # k-th micro-step only
+  s = dadjax.comm_stats({"outer": outer, "inner": inner})
+  assert (s.updates, s.micro_steps) == (1, 4)
+  assert s.gather_bits == (400,) and s.reduce_bits == (50,) and s.gather_calls == 4
+  assert s.bits_per_step == 450 and s.total == 450
+  assert s.bits_per_micro_step == pytest.approx(450 / 4)

@@ -163,16 +163,37 @@ def test_exact_transformer_block_matches_allreduce_shard_map():
 def test_auto_mode_routes_and_matches_allreduce():
   x, y = _data((16, 16, 3))
   model = _Tokens(functools.partial(dad.Dense, mode="auto"))
-  plan = {p.path: p for p in dad.layer_plan(model, x[:2])}
-  assert plan["tokens"].route == "allreduce" and plan["tokens"].rows == 32
-  assert plan["head"].route == "gather" and plan["head"].rows == 2
+  # One site: nothing moves, auto compares payloads.
+  plan1 = {p.path: p for p in dad.layer_plan(model, x[:2], num_sites=1)}
+  assert plan1["tokens"].route == "allreduce" and plan1["tokens"].rows == 32
+  assert plan1["head"].route == "gather" and plan1["head"].rows == 2
+  assert plan1["head"].gather_bits == 2 * (4 + 3) * 32  # 448 < (4 * 3 + 3) * 32 = 480
+  # Eight sites on a ring: the head's gather moves (8-1) 448 > 2 (7/8) 480 bits.
+  plan = {p.path: p for p in dad.layer_plan(model, x[:2], num_sites=SITES)}
+  assert plan["tokens"].route == "allreduce" and plan["head"].route == "allreduce"
   assert plan["tokens"].reduce_bits == (3 * 4 + 4) * 32
-  assert plan["head"].gather_bits == 2 * (4 + 3) * 32
+  assert plan["head"].reduce_bits == (4 * 3 + 3) * 32
   # shard_map: the all-reduce route's psum is invariant and must be re-typed varying.
   ref, got, state, _ = _dad_vs_allreduce(_Tokens, x, y, backend="shard_map", mode="auto")
   _assert_trees_close(ref, got)
-  total = plan["tokens"].reduce_bits + plan["head"].gather_bits
+  total = plan["tokens"].reduce_bits + plan["head"].reduce_bits
   assert dadjax.comm_stats(state.opt_state).bits_per_step == total
+
+
+def test_auto_picks_allreduce_when_gather_payload_is_smaller_but_wire_larger():
+  config = dad.DadConfig(mode="auto")
+  rows, d_in, d_out = 4, 16, 16
+  gather_payload = dad.layer_bits(dad.DadConfig(mode="exact"), rows, d_in, d_out)[0]
+  reduce_payload = (d_in * d_out + d_out) * 32
+  assert gather_payload == 4 * 32 * 32 < reduce_payload  # 4096 < 8704
+  # ring, N = 8: (8-1) 4096 = 28672 > 2 (7/8) 8704 = 15232 bits on the wire.
+  assert dad.layer_route(config, rows, d_in, d_out, num_sites=8) == "allreduce"
+  assert dad.layer_bits(config, rows, d_in, d_out, num_sites=8) == (0, reduce_payload)
+  # N = 2: 4096 < 8704: the gather is cheaper on the wire too.
+  assert dad.layer_route(config, rows, d_in, d_out, num_sites=2) == "gather"
+  # The choice follows N gather < 2 reduce: 4 * 4096 = 16384 < 17408 at N = 4.
+  assert dad.layer_route(config, rows, d_in, d_out, num_sites=4) == "gather"
+  assert dad.layer_route(config, rows, d_in, d_out, num_sites=5) == "allreduce"
 
 
 def test_replicated_params_shard_map_check_vma():

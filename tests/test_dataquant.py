@@ -16,15 +16,20 @@ from jax.sharding import PartitionSpec as P
 
 import dadjax
 from dadjax import dataquant as DQ
-from dadjax.comm import bits_to_int
+from dadjax.comm import bits_to_int, hlo_collectives
 from dadjax.compress import packed_words
 from dadjax.models import MLP
 from dadjax.stage import GradResult, StageContext
 
-from test_compress_hlo import collective_bytes
 
 SITES, ROWS, DIM, CLASSES = 8, 8, 12, 3
 MODEL = MLP(hidden=(8,), num_classes=CLASSES)
+
+
+def collective_bytes(hlo: str) -> dict:
+  """Operand bytes of the compiled all-reduces and all-gathers (per site)."""
+  ops = hlo_collectives(hlo)
+  return {"reduce": ops.nbytes.get("reduce", 0), "gather": ops.nbytes.get("gather", 0)}
 
 
 def loss_fn(params, batch, rng=None):

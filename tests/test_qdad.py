@@ -9,15 +9,21 @@ import optax
 import pytest
 
 import dadjax
+from dadjax.comm import hlo_collectives
 from dadjax import dad
 from dadjax.compress import packed_words
 from dadjax.dad._dense import DadConfig, dense, layer_bits
 from dadjax.dad._quantized import quantized_gather_bits
 from dadjax.models import MLP
 
-from test_compress_hlo import collective_bytes
 
 SITES, ROWS, D_IN, D_OUT = 8, 4, 12, 5
+
+
+def collective_bytes(hlo: str) -> dict:
+  """Operand bytes of the compiled all-reduces and all-gathers (per site)."""
+  ops = hlo_collectives(hlo)
+  return {"reduce": ops.nbytes.get("reduce", 0), "gather": ops.nbytes.get("gather", 0)}
 
 
 def site_grads(config, x, kernel, bias, cot, step):

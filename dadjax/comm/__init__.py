@@ -1,9 +1,20 @@
-"""The bit ledger, the fp32 all-reduce baseline and the network cost model.
+"""Collectives over named axes, the bit ledger and the network cost model.
 
-Bit arithmetic (``Bits``), the metered collectives, the per-site
-collectives and the ledger's recording helpers are for writing new
-methods: their documented home is :mod:`dadjax.extend`, and they stay
-importable from here.
+* metered collectives (``metered_psum`` / ``metered_pmean`` /
+  ``metered_all_gather``): every collective in dadjax returns its result and
+  the payload it moved (:class:`Traffic`);
+* the ledger (:class:`CommStats`, :func:`comm_stats`): payload bits per
+  collective kind, per site and step;
+* wire bits per topology (:func:`wire_bits`) and the alpha-beta
+  :class:`NetworkModel`;
+* the compiled program's collective ops (:func:`hlo_collectives`);
+* :func:`accumulate`: gradient accumulation with one collective per
+  optimizer step;
+* variance typing under ``shard_map`` and the shared collection names.
+
+Bit arithmetic, the metered collectives and the ledger's recording helpers
+are for writing new methods: their documented home is :mod:`dadjax.extend`,
+and they stay importable from here.
 """
 
 from dadjax.comm._bits import (
@@ -27,7 +38,19 @@ from dadjax.comm._collectives import (
     site_index,
     sum_over_sites,
 )
+from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._cost import NetworkModel
+from dadjax.comm._hlo import CollectiveOps, compiled_collectives, hlo_collectives
+from dadjax.comm._vma import (
+    COMM_COLLECTION,
+    STATE_COLLECTION,
+    is_varying,
+    to_varying,
+    tree_to_varying,
+    tree_vma,
+    vma,
+)
+from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits, wire_factor
 from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,
@@ -55,4 +78,10 @@ __all__ = [
     "allreduce",
     "AllReduceState",
     "FP32_BITS",
+    "accumulate",
+    "AccumulateState",
+    "wire_bits",
+    "TOPOLOGIES",
+    "hlo_collectives",
+    "CollectiveOps",
 ]

@@ -67,6 +67,9 @@ def _all_gather_invariant(x, axis_name):
     return all_gather_invariant(x, axis_name)
 
 
+from dadjax.comm._metered import metered_pmean  # noqa: E402  (the wrappers use gather_sites)
+
+
 class AllReduceState(NamedTuple):
   comm: CommStats
 
@@ -75,7 +78,9 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   """Plain data-parallel averaging: fp32 mean of the gradients via ``psum``.
 
   The baseline every compressor is measured against; it also fills the
-  ledger: each site sends ``32 * num_params`` bits per step.
+  ledger: each site hands ``32 * num_params`` payload bits (fp32 leaves) to
+  one all-reduce call per step (XLA may split or merge it into several ops;
+  see :func:`~dadjax.comm.hlo_collectives`).
 
   Args:
     axis_name: the mesh axis the sites live on; ``None`` runs as one site.
@@ -101,10 +106,10 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   def update_fn(updates, state, params=None):
     del params
     specs.check(updates)
-    updates = mean_over_sites(updates, axis_name)
-    bits = tree_dense_bits(updates)
-    comm = ledger_record(state.comm, reduce=bits, dense=bits,
-                         reduce_calls=len(jax.tree.leaves(updates)))
+    dense = tree_dense_bits(updates)
+    updates, traffic = metered_pmean(updates, axis_name)
+    comm = ledger_record(state.comm, reduce=traffic.reduce, dense=dense,
+                         reduce_calls=traffic.reduce_calls)
     return updates, AllReduceState(comm)
 
   return optax.GradientTransformation(init_fn, update_fn)

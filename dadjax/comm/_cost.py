@@ -1,31 +1,43 @@
 """A network cost model: modeled wall time of a step's collectives.
 
-Standard alpha-beta model (latency ``alpha`` per message, ``1 / bandwidth``
-per bit). For ``N`` sites each handing a payload of ``B`` bits:
+Standard alpha-beta model: latency ``alpha`` per message, ``1 / bandwidth``
+per bit on the busiest link. For ``N`` sites each handing a payload of
+``B`` bits to one collective op:
 
 * ring all-reduce: ``2 (N-1)/N * B / bw + 2 (N-1) * alpha``
 * ring all-gather: ``(N-1) * B / bw + (N-1) * alpha``
-* parameter server (one server link of bandwidth ``bw``): all-reduce
-  ``2 N B / bw + 2 alpha`` (N payloads in, N results out); all-gather
-  ``N B / bw + N (N-1) B / bw + 2 alpha``.
+* parameter server (the server's link, bandwidth ``bw``, carries ``N``
+  workers' traffic): all-reduce ``2 N B / bw + 2 alpha`` (N payloads in,
+  N results out); all-gather ``N B / bw + N (N-1) B / bw + 2 alpha``.
+
+The bandwidth term comes from the ledger's payload bits
+(:mod:`dadjax.comm._wire` defines the wire bits). The latency term is
+charged per collective *op*: pass the ops the compiled program really runs
+(:func:`~dadjax.comm.hlo_collectives`, ``TrainStep.collectives``) as
+``ops``; without them every collective call the ledger recorded is charged
+(an upper bound: XLA combines independent calls). Ops under ``lax.cond``
+appear in the compiled text whether or not their branch runs; for gradient
+accumulation over ``k`` micro-steps charge them once per optimizer step.
 
 References:
   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication
   Operations in MPICH", IJHPCA 2005.
+  Li et al., "Scaling Distributed Machine Learning with the Parameter
+  Server", OSDI 2014.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from dadjax.comm._ledger import CommSummary
-
-TOPOLOGIES = ("ring", "ps")
+from dadjax.comm._ledger import FP32_BITS, CommSummary
+from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits
 
 
 @dataclasses.dataclass(frozen=True)
 class NetworkModel:
-  """Bandwidth in bits/s, latency in seconds per message, number of sites."""
+  """Bandwidth in bits/s, latency in seconds per message, number of sites, topology."""
 
   bandwidth: float = 1e9
   latency: float = 50e-6
@@ -37,32 +49,77 @@ class NetworkModel:
       raise ValueError(f"bandwidth must be > 0 bits/s, got {self.bandwidth}")
     if not self.latency >= 0:
       raise ValueError(f"latency must be >= 0 s, got {self.latency}")
-    if not (isinstance(self.num_sites, int) and self.num_sites >= 1):
+    if isinstance(self.num_sites, bool) or not (isinstance(self.num_sites, int)
+                                                and self.num_sites >= 1):
       raise ValueError(f"num_sites must be an int >= 1, got {self.num_sites}")
     if self.topology not in TOPOLOGIES:
       raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
 
-  def allreduce_time(self, bits: int, messages: int = 1) -> float:
-    n, bw, a = self.num_sites, self.bandwidth, self.latency
-    if n == 1 or (bits == 0 and messages == 0):
+  def wire_bits(self, kind: str, bits: int) -> float:
+    """Wire bits per site for a payload of ``bits`` per site handed to ``kind``."""
+    return wire_bits(kind, bits, self.num_sites, self.topology)
+
+  def _time(self, kind: str, bits: int, messages: int) -> float:
+    n = self.num_sites
+    if n == 1:
       return 0.0
-    if self.topology == "ring":
-      return 2 * (n - 1) / n * bits / bw + 2 * (n - 1) * a * messages
-    return 2 * n * bits / bw + 2 * a * messages
+    busiest = self.wire_bits(kind, bits) * link_load(n, self.topology)
+    messages_total = latency_messages(kind, n, self.topology) * messages
+    return busiest / self.bandwidth + messages_total * self.latency
+
+  def allreduce_time(self, bits: int, messages: int = 1) -> float:
+    """Seconds of ``messages`` all-reduce ops moving ``bits`` payload bits per site in all."""
+    return self._time("reduce", bits, messages)
 
   def allgather_time(self, bits: int, messages: int = 1) -> float:
-    n, bw, a = self.num_sites, self.bandwidth, self.latency
-    if n == 1 or (bits == 0 and messages == 0):
-      return 0.0
-    if self.topology == "ring":
-      return (n - 1) * bits / bw + (n - 1) * a * messages
-    return (n * bits + n * (n - 1) * bits) / bw + 2 * a * messages
+    """Seconds of ``messages`` all-gather ops moving ``bits`` payload bits per site in all."""
+    return self._time("gather", bits, messages)
 
-  def step_time(self, summary: CommSummary) -> float:
-    """Modeled seconds of one step's communication, from a ledger read-out.
+  def step_time(self, summary: CommSummary, ops: Any = None) -> float:
+    """Modeled seconds of one optimizer step's communication.
 
-    Every collective call recorded in the ledger pays the latency term of
-    its kind; the payloads pay the bandwidth term.
+    Args:
+      summary: a ledger read-out (:func:`~dadjax.comm_stats`): payload bits.
+      ops: the compiled program's collective ops (a
+        :class:`~dadjax.comm.CollectiveOps`, or a dict ``{"reduce": n,
+        "gather": m}``); each pays the latency term of its kind. ``None``:
+        charge every call the ledger recorded.
+
+    Returns:
+      Seconds.
     """
-    return (self.allreduce_time(max(summary.reduce_bits), summary.reduce_calls)
-            + self.allgather_time(max(summary.gather_bits), summary.gather_calls))
+    reduce_ops, gather_ops = self._ops(summary, ops)
+    return (self.allreduce_time(max(summary.reduce_bits), reduce_ops)
+            + self.allgather_time(max(summary.gather_bits), gather_ops))
+
+  def baseline_time(self, summary: CommSummary, number_bits: int = FP32_BITS,
+                    ops: int = 1) -> float:
+    """Seconds of an all-reduce of the same tensors in ``number_bits`` floats (fp32 or bf16)."""
+    return self.allreduce_time(summary.dense_bits_per_step // FP32_BITS * number_bits, ops)
+
+  @staticmethod
+  def _ops(summary: CommSummary, ops) -> tuple[int, int]:
+    if ops is None:
+      return summary.reduce_calls, summary.gather_calls
+    count = getattr(ops, "count", ops)
+    return int(count.get("reduce", 0)), int(count.get("gather", 0))
+
+  def report(self, summary: CommSummary, ops: Any = None) -> dict:
+    """Per site and optimizer step: payload bits, wire bits, baselines, ratios, times.
+
+    The ratios are wire based and hold for this model's topology and
+    ``num_sites``, which the ``"setting"`` entry states.
+    """
+    n, topo = self.num_sites, self.topology
+    return {
+        "setting": f"{topo}, N={n}",
+        "payload_bits": summary.bits_per_step,
+        "wire_bits": summary.wire_bits(n, topo),
+        "fp32_wire_bits": summary.fp32_wire_bits(n, topo),
+        "bf16_wire_bits": summary.bf16_wire_bits(n, topo),
+        "wire_ratio": summary.wire_ratio(n, topo),
+        "wire_ratio_bf16": summary.wire_ratio(n, topo, "bf16"),
+        "time_s": self.step_time(summary, ops),
+        "fp32_time_s": self.baseline_time(summary, FP32_BITS),
+        "bf16_time_s": self.baseline_time(summary, 16),
+    }

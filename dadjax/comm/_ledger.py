@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dadjax.comm._bits import Bits, bits_add, bits_const, bits_to_int, bits_zero, host_array
+from dadjax.comm._wire import wire_bits
 
 FP32_BITS = 32
 
@@ -115,6 +116,16 @@ class CommSummary:
   When the state is stacked per site (the train step's layout), each count
   is a tuple with one entry per site and the scalar properties report the
   largest site, the one a synchronous collective waits for.
+
+  Per-step numbers are per *optimizer step*: ledgers updated at different
+  rates (a ledger outside a gradient accumulator records every micro-step,
+  one inside it every k-th) are scaled to the slowest rate before they are
+  added (see :func:`comm_stats`). ``micro_steps`` is the fastest rate's
+  count, so ``bits_per_step * updates / micro_steps`` is per micro-step.
+
+  Payload bits are what a site hands to collectives; wire bits
+  (:meth:`wire_bits`) are what the topology moves for them
+  (:mod:`dadjax.comm._wire`).
   """
 
   reduce_bits: tuple[int, ...]
@@ -125,6 +136,7 @@ class CommSummary:
   reduce_calls: int
   gather_calls: int
   updates: int
+  micro_steps: int = 0
 
   @property
   def collectives(self) -> int:
@@ -133,7 +145,15 @@ class CommSummary:
 
   @property
   def bits_per_step(self) -> int:
+    """Payload bits per optimizer step (largest site)."""
     return max(r + g for r, g in zip(self.reduce_bits, self.gather_bits))
+
+  @property
+  def bits_per_micro_step(self) -> float:
+    """Payload bits per micro-step (equals :attr:`bits_per_step` without accumulation)."""
+    if not self.micro_steps or self.micro_steps == self.updates:
+      return float(self.bits_per_step)
+    return self.bits_per_step * self.updates / self.micro_steps
 
   @property
   def dense_bits_per_step(self) -> int:
@@ -149,11 +169,51 @@ class CommSummary:
 
   @property
   def compression_ratio(self) -> float:
-    """fp32 bits over sent bits, cumulative (the last step if nothing is sent yet)."""
+    """fp32 payload bits over sent payload bits, cumulative (the last step if nothing is sent yet).
+
+    A payload ratio: it counts all-gather and all-reduce payloads alike.
+    For what the network moves use :meth:`wire_ratio`.
+    """
     sent, dense = self.total, self.total_dense
     if sent == 0:
       sent, dense = self.bits_per_step, self.dense_bits_per_step
     return float("inf") if sent == 0 else dense / sent
+
+  def wire_bits(self, num_sites: int, topology: str = "ring") -> float:
+    """Wire bits per site and optimizer step for ``num_sites`` sites (:mod:`~dadjax.comm._wire`)."""
+    return max(wire_bits("reduce", r, num_sites, topology)
+               + wire_bits("gather", g, num_sites, topology)
+               for r, g in zip(self.reduce_bits, self.gather_bits))
+
+  def fp32_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
+    """Wire bits per site of an fp32 all-reduce of the same tensors."""
+    return wire_bits("reduce", self.dense_bits_per_step, num_sites, topology)
+
+  def bf16_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
+    """Wire bits per site of a bf16 all-reduce of the same tensors (the second baseline)."""
+    return wire_bits("reduce", self.dense_bits_per_step // FP32_BITS * 16, num_sites, topology)
+
+  def wire_ratio(self, num_sites: int, topology: str = "ring", baseline: str = "fp32") -> float:
+    """Baseline all-reduce wire bits over this method's wire bits (> 1: the method sends less).
+
+    Args:
+      num_sites: ``N`` the ratio is stated for (it depends on it: an
+        all-gather's wire bits grow with ``N``, an all-reduce's do not).
+      topology: ``"ring"`` or ``"ps"``.
+      baseline: ``"fp32"`` or ``"bf16"`` all-reduce.
+    """
+    if baseline not in ("fp32", "bf16"):
+      raise ValueError(f"baseline must be 'fp32' or 'bf16', got {baseline!r}")
+    base = (self.fp32_wire_bits if baseline == "fp32" else self.bf16_wire_bits)(num_sites, topology)
+    sent = self.wire_bits(num_sites, topology)
+    if sent == 0:
+      return float("inf") if base else 1.0
+    return base / sent
+
+  def headline(self, num_sites: int, topology: str = "ring") -> str:
+    """The wire-based ratio with the topology and N it holds for, e.g. ``"12.3x (ring, N=8)"``."""
+    ratio = self.wire_ratio(num_sites, topology)
+    return f"{ratio:.3g}x vs fp32 all-reduce ({topology}, N={num_sites})"
 
 
 def _per_site(b: Bits) -> tuple[int, ...]:
@@ -169,8 +229,22 @@ def _add_tuples(a, b):
   return tuple(x + y for x, y in zip(a, b))
 
 
+def _scale(values: tuple[int, ...], num: int, den: int) -> tuple[int, ...]:
+  return tuple(v * num // den for v in values)
+
+
 def comm_stats(state: Any) -> CommSummary:
   """Sum every ledger in ``state`` (any optax state, or a train state).
+
+  Ledgers may record at different rates: with gradient accumulation over
+  ``k`` micro-steps a ledger inside the accumulator records once per
+  optimizer step and one outside it (e.g. :func:`dadjax.dad.model_ledger`
+  for layers that communicate in every backward pass) every micro-step.
+  The per-step numbers are per optimizer step: a ledger that recorded
+  ``u_i`` times contributes its last step's numbers times ``u_i / u_min``,
+  where ``u_min`` is the fewest updates of any ledger that has recorded
+  (exact when, as for every dadjax method, a ledger records the same
+  traffic at each of its updates within an optimizer step). Totals are sums.
 
   Args:
     state: a pytree holding one or more :class:`CommStats`, for example
@@ -186,17 +260,19 @@ def comm_stats(state: Any) -> CommSummary:
   if not found:
     raise ValueError("comm_stats: the state holds no CommStats; is a dadjax "
                      "communicating transformation part of the optimizer?")
+  rates = [int(np.max(host_array(s.updates))) for s in found]
+  live = [u for u in rates if u > 0]
+  slow, fast = (min(live), max(live)) if live else (0, 0)
   fields = dict(reduce_bits=(0,), gather_bits=(0,), dense_bits=(0,),
                 total_bits=(0,), total_dense_bits=(0,))
   calls = {"reduce_calls": 0, "gather_calls": 0}
-  updates = 0
-  for s in found:
-    fields["reduce_bits"] = _add_tuples(fields["reduce_bits"], _per_site(s.step_reduce))
-    fields["gather_bits"] = _add_tuples(fields["gather_bits"], _per_site(s.step_gather))
-    fields["dense_bits"] = _add_tuples(fields["dense_bits"], _per_site(s.step_dense))
+  for s, u in zip(found, rates):
+    num, den = (u, slow) if slow else (1, 1)
+    for name, bits in (("reduce_bits", s.step_reduce), ("gather_bits", s.step_gather),
+                       ("dense_bits", s.step_dense)):
+      fields[name] = _add_tuples(fields[name], _scale(_per_site(bits), num, den))
     fields["total_bits"] = _add_tuples(fields["total_bits"], _per_site(s.total_sent))
     fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.total_dense))
-    calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls)))
-    calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls)))
-    updates = max(updates, int(np.max(host_array(s.updates))))
-  return CommSummary(**fields, **calls, updates=updates)
+    calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls))) * num // den
+    calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls))) * num // den
+  return CommSummary(**fields, **calls, updates=slow, micro_steps=fast)

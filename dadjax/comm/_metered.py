@@ -58,6 +58,9 @@ def traffic_add(*terms: Traffic) -> Traffic:
 
 
 def _calls(tree: Any) -> int:
+  # One call per wrapper call: a tuple of leaves is one collective in the
+  # program (XLA may still split or merge it; the compiled op count is read
+  # by ``hlo_collectives``).
   return 1 if jax.tree.leaves(tree) else 0
 
 

@@ -37,9 +37,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._tree_utils import (check_float_leaves, leaf_path, tree_cast_like, tree_nbits,
-                                tree_num_leaves, tree_scale)
-from dadjax.comm import Bits, Traffic, axis_size, gather_sites, site_index, sum_over_sites
+from dadjax._tree_utils import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
+from dadjax.comm import (Bits, Traffic, axis_size, metered_all_gather, metered_psum,  # noqa: F401
+                         site_index)
 
 COMMUNICATIONS = ("reduce", "gather")
 
@@ -172,19 +172,23 @@ def one_round_exchange(compressor: Compressor, grads: Any, state: Any, key: Any,
   key = as_keys(key)
   payload, state = compressor.compress(grads, state, key)
   local = compressor.decompress(payload, grads, key)
-  bits = compressor.bits(payload)
-  calls = tree_num_leaves(payload)
   if compressor.communication == "reduce":
-    summed = sum_over_sites(payload, axis_name)
+    summed, traffic = metered_psum(payload, axis_name)
     mean = tree_scale(compressor.decompress(summed, grads, key), 1.0 / axis_size(axis_name))
-    traffic = Traffic(reduce=bits, gather=0, reduce_calls=calls, gather_calls=0)
   else:
-    gathered = gather_sites(payload, axis_name)
+    gathered, traffic = metered_all_gather(payload, axis_name)
     if compressor.aggregate is None:
       mean = mean_of_decompressed(compressor, gathered, grads, key)
     else:
       mean = compressor.aggregate(gathered, grads, key)
-    traffic = Traffic(reduce=0, gather=bits, reduce_calls=0, gather_calls=calls)
+  bits = compressor.bits(payload)
+  kind_bits = traffic.reduce if compressor.communication == "reduce" else traffic.gather
+  if isinstance(bits, int) and bits != kind_bits:
+    # The payload's storage size is what moves; a compressor's own count
+    # must agree with it (a mismatch is a bug in the compressor).
+    raise ValueError(f"compressor.bits reports {bits} bits but its payload holds {kind_bits}")
+  if not isinstance(bits, int):  # data-dependent size (traced): the compressor's count
+    traffic = traffic._replace(**{compressor.communication: bits})
   return Exchanged(tree_cast_like(mean, grads), local, state, traffic)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from dadjax._linalg import orthogonalize
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
-from dadjax.comm import axis_size, sum_over_sites
+from dadjax.comm import axis_size, metered_psum, traffic_add
 from dadjax.compress._base import (Compressor, Exchanged, Keys, Traffic, as_keys, check_int,
                                    derive_key)
 from dadjax.registry import Arg, register_compressor
@@ -168,11 +168,12 @@ def powersgd(
     leaves, treedef = jax.tree.flatten(grads)
     plan = plan_of(grads)
     num_sites = axis_size(axis_name)
-    sent = []  # every array handed to a psum, for the ledger
+    sent = []  # the Traffic of every psum, for the ledger
 
     def psum(tree):
-      sent.extend(jax.tree.leaves(tree))
-      return sum_over_sites(tree, axis_name)
+      out, traffic = metered_psum(tree, axis_name)
+      sent.append(traffic)
+      return out
 
     ms = []
     for gi, g in enumerate(plan.groups):
@@ -207,7 +208,7 @@ def powersgd(
     new_state = PowerSGDState(
         tuple(orthogonalize(q / num_sites) for q in qs) if warm_start else (),
         tuple(memory) if error_feedback else ())
-    traffic = Traffic(reduce=tree_nbits(sent), gather=0, reduce_calls=len(sent), gather_calls=0)
+    traffic = traffic_add(*sent)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
                     new_state, traffic)
     return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)

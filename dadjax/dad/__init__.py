@@ -15,17 +15,11 @@ References:
   Differentiation" (https://arxiv.org/abs/2102.09631).
 """
 
-from dadjax.dad._dense import (
-    AGGREGATIONS,
-    MODES,
-    DadConfig,
-    Dense,
-    current_state,
-    dense,
-    init_state,
-    layer_bits,
-    layer_route,
-)
+from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig
+from dadjax.dad._cost import choose_route, layer_bits, layer_route, layer_traffic, route_traffic
+from dadjax.dad._module import Dense
+from dadjax.dad._state import current_state, init_state
+from dadjax.dad._vjp import dense
 from dadjax.dad._methods import DenseFactory, get_method, is_method
 from dadjax.dad._power import Factors, factorize, product_route
 from dadjax.dad._sync import (

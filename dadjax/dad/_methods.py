@@ -15,8 +15,9 @@ import jax
 import optax
 
 from dadjax import registry
+from dadjax.dad._config import DadConfig
+from dadjax.dad._module import Dense
 from dadjax._tree_utils import path_names
-from dadjax.dad._dense import DadConfig, Dense
 from dadjax.dad._sync import synchronize
 from dadjax.registry import Arg, Method, register_method
 

@@ -12,8 +12,9 @@ of ``Q(D)_all``) are unbiased for the exact dAD gradient.
 
 Bits a site hands to the all-gather per call: ``n`` rows of
 ``32 packed_words(d_in, b) + 64`` plus ``32 packed_words(d_out, b) + 64``
-(codes packed into uint32 words, and each row's fp32 offset and step), by
-:func:`quantized_gather_bits`.
+(codes packed into uint32 words, and each row's fp32 offset and step):
+:func:`quantized_gather_bits`, which equals the metered payload the
+backward pass builds (the ledger reads that payload).
 
 References:
   Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
@@ -28,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dadjax.comm import gather_sites, site_index
+from dadjax.comm import Traffic, metered_all_gather, site_index
 from dadjax.dataquant._uniform import dequantize_uniform, quantize_uniform, uniform_row_bits
 
 
@@ -47,7 +48,7 @@ def quantize_keys(seed: int, step: jax.Array, axis_name: str | None) -> tuple[ja
 
 def quantized_gather(a: jax.Array, d: jax.Array, bits: int, keys: tuple[jax.Array, jax.Array],
                      axis_name: str | None, *,
-                     invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+                     invariant: bool = False) -> tuple[jax.Array, jax.Array, Traffic]:
   """Quantize this site's ``A`` and ``D``, all-gather them, decode every site's rows.
 
   Args:
@@ -57,15 +58,16 @@ def quantized_gather(a: jax.Array, d: jax.Array, bits: int, keys: tuple[jax.Arra
     keys: the rounding keys of ``A`` and ``D`` (:func:`quantize_keys`).
     axis_name: the sites' axis (``None``: one site).
     invariant: type the gathered result invariant (replicated parameters
-      under ``shard_map(check_vma=True)``; see :func:`dadjax.comm.gather_sites`).
+      under ``shard_map(check_vma=True)``; see :func:`dadjax.comm.metered_all_gather`).
 
   Returns:
-    ``(A_all, D_all)``, fp32 ``(N n, d_in)`` and ``(N n, d_out)``: every
-    site's decoded rows, site-major; unbiased for the exact rows.
+    ``(A_all, D_all, traffic)``: fp32 ``(N n, d_in)`` and ``(N n, d_out)``,
+    every site's decoded rows, site-major, unbiased for the exact rows; and
+    the all-gather's :class:`~dadjax.comm.Traffic`.
   """
   d_in, d_out = a.shape[1], d.shape[1]
   payload = (quantize_uniform(a, bits, keys[0]), quantize_uniform(d, bits, keys[1]))
-  pa, pd = gather_sites(payload, axis_name, invariant=invariant)
+  (pa, pd), traffic = metered_all_gather(payload, axis_name, invariant=invariant)
   a_all = jax.vmap(lambda p: dequantize_uniform(p, bits, d_in))(pa).reshape(-1, d_in)
   d_all = jax.vmap(lambda p: dequantize_uniform(p, bits, d_out))(pd).reshape(-1, d_out)
-  return a_all, d_all
+  return a_all, d_all, traffic

@@ -19,14 +19,17 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits_zero, host_array,
                          ledger_init, ledger_record, tree_dense_bits)
-from dadjax.dad._dense import STATE_NAME, Dense, layer_bits, layer_route
+from dadjax.comm import STATE_COLLECTION
+from dadjax.dad._cost import choose_route, route_traffic
+from dadjax.dad._module import Dense
+from dadjax.dad._state import STATE_NAME, init_state
 from dadjax._tree_utils import SpecMemo, check_axis_name, path_names
-from dadjax.parallel import STATE_COLLECTION
 
 MaskLike = Any | Callable[[Any], Any]
 
@@ -79,17 +82,23 @@ class LayerPlan(NamedTuple):
   dense_bits: int
 
 
-def layer_plan(model: nn.Module, *sample_args, **sample_kwargs) -> list[LayerPlan]:
+def layer_plan(model: nn.Module, *sample_args, num_sites: int | None = None,
+               **sample_kwargs) -> list[LayerPlan]:
   """The route and bits of every :class:`~dadjax.dad.Dense` call for these inputs.
 
   Shows what ``mode="auto"`` picks per layer (``"gather"`` = exact dAD,
-  ``"allreduce"``) for a given batch shape: ``sample_args`` must have the
-  per-site batch shape. Calls inside ``nn.scan`` are listed once, with the
-  rows of one time step (they run once per step). Nothing is computed.
+  ``"allreduce"``) for a given batch shape and number of sites:
+  ``sample_args`` must have the per-site batch shape. Calls inside
+  ``nn.scan`` are listed once, with the rows of one time step (they run
+  once per step). Nothing is computed: the bits are those of the payloads
+  the backward pass builds (:func:`~dadjax.dad.layer_traffic`) on the
+  layer's promoted operands, evaluated abstractly.
 
   Args:
     model: a Flax module built with dAD dense layers.
     *sample_args: per-site inputs (arrays or ``jax.ShapeDtypeStruct``).
+    num_sites: ``N`` the routes are chosen for (``"auto"`` compares wire
+      bits at ``N``). Default 1 (then ``"auto"`` compares payloads).
     **sample_kwargs: keyword inputs.
 
   Returns:
@@ -97,19 +106,31 @@ def layer_plan(model: nn.Module, *sample_args, **sample_kwargs) -> list[LayerPla
     fp32 all-reduce size of the layer's kernel and bias.
   """
   plans: dict[str, LayerPlan] = {}
+  n = 1 if num_sites is None else num_sites
 
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
     if isinstance(module, Dense) and context.method_name == "__call__":
+      config = module.config()
       shape = jax.ShapeDtypeStruct(np.shape(args[0]), args[0].dtype)
       rows, d_in, d_out = int(np.prod(shape.shape[:-1])), shape.shape[-1], module.features
-      config = module.config()
-      number_bits = np.dtype(module.dtype or shape.dtype).itemsize * 8
-      gather, reduce = layer_bits(config, rows, d_in, d_out, module.use_bias, number_bits)
+      pdt = module.param_dtype
+      dtype = module.dtype or jnp.result_type(shape.dtype, pdt)  # flax's promote_dtype
+      x = jax.ShapeDtypeStruct((rows, d_in), dtype)
+      kernel = jax.ShapeDtypeStruct((d_in, d_out), dtype)
+      bias = jax.ShapeDtypeStruct((d_out,), dtype) if module.use_bias else None
+      state = (None if config.mode == "local" else
+               jax.eval_shape(lambda: init_state(config, d_in, d_out)))
+      route = choose_route(config, x, kernel, bias, state, num_sites=n)
+      if config.axis_name is None:
+        gather = reduce = 0
+      else:
+        t = route_traffic(config, route, x, kernel, bias, state, num_sites=n)
+        gather, reduce = int(t.gather), int(t.reduce)
       path = "/".join(module.path)
       plans.setdefault(path, LayerPlan(
-          path, config.mode, layer_route(config, rows, d_in, d_out, module.use_bias), rows,
-          d_in, d_out, gather, reduce, (d_in * d_out + (d_out if module.use_bias else 0)) * 32))
+          path, config.mode, route, rows, d_in, d_out, gather, reduce,
+          (d_in * d_out + (d_out if module.use_bias else 0)) * 32))
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(interceptor):
@@ -155,27 +176,40 @@ def _resolve(mask: MaskLike, tree: Any) -> Any:
 def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int, int | None]:
   """``(gather, reduce, reduce_calls, gather_calls)`` from ``model_comm``.
 
-  A tree of sown values (the ``"comm"`` collection) is split by sow name
-  (``reduce_bits`` vs the rest) and every sown count is one collective call
-  (a count stacked by ``nn.scan`` is one call per step). A single summed
-  :class:`Bits` counts as gather bits, dAD's main collective, and the
-  number of gather calls is unknown (``None``).
+  A tree of sown values (the ``"comm"`` collection) is split by sow name:
+  ``reduce_bits`` / ``gather_bits`` are :class:`Bits`, ``reduce_calls`` /
+  ``gather_calls`` arrays whose *size* is the number of collective calls
+  behind them (a static count that survives every transformation; stacked
+  by ``nn.scan``, one set of calls per step). A sown ``Bits``
+  without a calls entry counts as one call. A single summed :class:`Bits`
+  counts as gather bits, dAD's main collective, and the number of gather
+  calls is unknown (``None``).
   """
   if model_comm is None:
     return bits_zero(), bits_zero(), 0, 0
   if isinstance(model_comm, Bits):
     return bits_reduce(model_comm), bits_zero(), 0, None
-  gather, reduce, reduce_calls, gather_calls = bits_zero(), bits_zero(), 0, 0
+  gather, reduce = bits_zero(), bits_zero()
+  counted = {"reduce": 0, "gather": 0}
+  sown_calls = {"reduce": 0, "gather": 0}
+  has_calls = {"reduce": False, "gather": False}
   flat = jax.tree_util.tree_flatten_with_path(model_comm, is_leaf=lambda x: isinstance(x, Bits))[0]
   for path, leaf in flat:
+    names = path_names(path)
     if isinstance(leaf, Bits):
-      if "reduce_bits" in path_names(path):
+      kind = "reduce" if "reduce_bits" in names else "gather"
+      if kind == "reduce":
         reduce = bits_add(reduce, bits_reduce(leaf))
-        reduce_calls += int(np.size(leaf.lo))
       else:
         gather = bits_add(gather, bits_reduce(leaf))
-        gather_calls += int(np.size(leaf.lo))
-  return gather, reduce, reduce_calls, gather_calls
+      counted[kind] += int(np.size(leaf.lo))
+    else:
+      for kind in ("reduce", "gather"):
+        if f"{kind}_calls" in names:
+          has_calls[kind] = True
+          sown_calls[kind] += int(np.size(leaf))
+  calls = {k: sown_calls[k] if has_calls[k] else counted[k] for k in counted}
+  return gather, reduce, calls["reduce"], calls["gather"]
 
 
 class SynchronizeState(NamedTuple):
@@ -206,12 +240,17 @@ def synchronize(
   (``dense`` = the fp32 size of the dAD leaves); ``other`` keeps its own
   ledger, and :func:`dadjax.comm_stats` sums both.
 
-  Gradient accumulation: inside ``optax.MultiSteps`` the inner state is
-  kept only on the k-th call, but dAD layers communicate on every
-  microbatch. Count their bits outside the accumulator::
+  Gradient accumulation: dAD layers communicate in every backward pass,
+  i.e. on every micro-step, while the other leaves need one collective per
+  optimizer step. Put :func:`dadjax.accumulate` inside and count the
+  layers' bits outside it; :func:`dadjax.comm_stats` combines the two
+  rates into bits per optimizer step::
 
-      optax.chain(dadjax.dad.model_ledger(), optax.MultiSteps(
+      optax.chain(dadjax.dad.model_ledger(), dadjax.accumulate(
           optax.chain(synchronize(mask, record_model_comm=False), opt), k))
+
+  (``optax.MultiSteps`` instead runs ``other``'s collective on every
+  micro-step, and under ``shard_map(check_vma=True)`` it does not trace.)
 
   Args:
     mask: pytree of bools over the parameters (:func:`layer_mask`), or a
@@ -276,7 +315,7 @@ def model_ledger() -> optax.GradientTransformationExtraArgs:
   """Identity on the updates; records the ``model_comm`` bits of every call.
 
   For gradient accumulation, where :func:`synchronize` sits inside
-  ``optax.MultiSteps`` and would see only every k-th call (see there).
+  :func:`dadjax.accumulate` and sees only every k-th call (see there).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a ledger in its state.

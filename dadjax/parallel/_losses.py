@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
+
 MODEL_STATE = "model_state"
-COMM_COLLECTION = "comm"
-STATE_COLLECTION = "dad_state"
 
 LossFn = Callable[[Any, Any, Any, jax.Array, bool], tuple[jax.Array, Any]]
 MetricsFn = Callable[[Any, Any], dict]

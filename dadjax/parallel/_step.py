@@ -273,6 +273,20 @@ class TrainStep:
     split = jax.tree.map(lambda x: np.reshape(np.asarray(x), (self.num_sites, -1) + np.shape(x)[1:]), batch)
     return split if self.backend == "pmap" else jax.tree.map(jnp.asarray, split)
 
+  def collectives(self, state: TrainState, batch: Any):
+    """The collective ops the compiled step runs, read from its optimized HLO.
+
+    Lowers and compiles the step once for these shapes and returns
+    a :class:`~dadjax.comm.CollectiveOps`: per kind, the op count and
+    operand bytes per site. Pass it to ``NetworkModel.step_time(summary,
+    ops=...)`` to charge latency per compiled op. The count includes the
+    step's own metric all-reduces, and ops under ``lax.cond`` (both branches
+    are compiled; see ``conditional_count``). ``backend="vmap"`` simulates
+    the sites on one device: its program has no collective ops.
+    """
+    from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
+    return hlo_collectives(self._run.lower(state, self.place_batch(batch)).compile().as_text())
+
   def params(self, state: TrainState, site: int = 0) -> Any:
     """One site's parameters as host arrays (all sites hold the same)."""
     return unstack_site(state.params, site)

@@ -1,0 +1,125 @@
+"""Gradient accumulation that communicates once per optimizer step.
+
+``optax.MultiSteps`` evaluates its inner transformation on every
+micro-step and keeps the result only on the k-th, so a collective inside
+it runs k times per optimizer step (and under ``shard_map(check_vma=True)``
+``MultiSteps(chain(dadjax.allreduce("data"), ...))`` fails to trace: its
+``cond`` branches return values of different variance types). Use
+:func:`accumulate` instead: it sums the local gradients over the
+micro-steps and runs the inner transformation, collective included, only
+on the k-th, under ``lax.cond``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dadjax.comm._vma import tree_vma
+
+
+class AccumulateState(NamedTuple):
+  """Micro-steps since the last optimizer step, the running sum, the inner state."""
+
+  micro_step: jax.Array
+  grads: Any
+  inner: Any
+
+
+def _struct_vma(s) -> frozenset:
+  mat = getattr(s, "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(s, "vma", ()) or ())
+
+
+def _cast_to(tree: Any, axes: list) -> Any:
+  """Type leaf ``i`` varying along ``axes[i]`` (it may only gain axes)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for x, want in zip(leaves, axes):
+    missing = tuple(sorted(want - tree_vma(x)))
+    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  return jax.tree.unflatten(treedef, out)
+
+
+def accumulate(tx: optax.GradientTransformation, every_k: int | jax.Array
+               ) -> optax.GradientTransformationExtraArgs:
+  """Run ``tx`` (and its collective) once every ``every_k`` micro-steps on the mean gradient.
+
+  Micro-steps 1..k-1 add the local gradient to a running sum and return
+  zero updates; micro-step k calls ``tx.update`` on ``sum / k`` and returns
+  its updates. ``tx`` therefore communicates once per optimizer step, its
+  state (error-feedback memories, PowerSGD's warm start, step counters,
+  ledgers) advances once per optimizer step, and the result equals one
+  step of ``tx`` on the concatenated micro-batches (for a loss that is a
+  mean over equal-sized micro-batches).
+
+  The k-th step is chosen with ``lax.cond`` on a predicate every site
+  computes alike (the micro-step counter), so all sites take the same
+  branch. Under ``shard_map`` and ``pmap`` the collective sits in the
+  conditional's branch of the compiled program and runs only when taken;
+  under ``vmap`` the sites are one program and ``cond`` on a per-site
+  predicate runs both branches (there is no collective op to skip). Both
+  branches' outputs are typed alike under ``shard_map(check_vma=True)``.
+
+  Extra arguments (e.g. ``model_comm``) are passed to ``tx`` on the k-th
+  micro-step only. Layers that communicate in every backward pass (dAD)
+  do so on every micro-step: record them outside the accumulator with
+  :func:`dadjax.dad.model_ledger`; :func:`~dadjax.comm_stats` combines the
+  two rates into bits per optimizer step.
+
+  Args:
+    tx: the transformation to run every k-th micro-step, communicating one
+      first (``optax.chain(dadjax.allreduce("data"), optax.sgd(0.1))``).
+    every_k: micro-steps per optimizer step: an int >= 1, or a traced int
+      (e.g. chosen per step by an adaptive method; the counter then fires
+      when it reaches the current value).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`AccumulateState`.
+
+  Raises:
+    ValueError: if ``every_k`` is a Python number that is not an int >= 1.
+  """
+  if isinstance(every_k, (bool, numbers.Number)) and (
+      isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral) or every_k < 1):
+    raise ValueError(f"every_k must be an int >= 1 (or a traced int), got {every_k!r}")
+  tx = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    return AccumulateState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
+                           tx.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    k = jnp.asarray(every_k, jnp.int32)
+    acc = jax.tree.map(lambda a, u: a + u.astype(a.dtype), state.grads, updates)
+    fire = state.micro_step + 1 >= k
+
+    def step(operands):
+      acc, inner = operands
+      mean = jax.tree.map(lambda a, u: (a / k).astype(u.dtype), acc, updates)
+      out, inner = tx.update(mean, inner, params, **extra_args)
+      return out, jax.tree.map(jnp.zeros_like, acc), inner
+
+    def wait(operands):
+      acc, inner = operands
+      return jax.tree.map(jnp.zeros_like, updates), acc, inner
+
+    operands = (acc, state.inner)
+    if tree_vma((operands, updates, params)):  # shard_map with type checks
+      # Both branches must return the same types: each leaf varying along
+      # the union of the axes either branch makes it vary along.
+      a, b = (jax.tree.leaves(jax.eval_shape(f, operands)) for f in (step, wait))
+      axes = [_struct_vma(x) | _struct_vma(y) for x, y in zip(a, b)]
+      out, acc, inner = jax.lax.cond(fire, lambda o: _cast_to(step(o), axes),
+                                     lambda o: _cast_to(wait(o), axes), operands)
+    else:
+      out, acc, inner = jax.lax.cond(fire, step, wait, operands)
+    micro = jnp.where(fire, 0, state.micro_step + 1)
+    return out, AccumulateState(micro, acc, inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

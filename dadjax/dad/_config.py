@@ -1,0 +1,82 @@
+"""Static configuration of a dAD layer: :class:`DadConfig` and the mode names.
+
+See :mod:`dadjax.dad._vjp` for what each mode does in the backward pass and
+:mod:`dadjax.dad._cost` for the routes' cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+MODES = ("exact", "rank", "auto", "local")
+AGGREGATIONS = ("one_way", "two_way")
+ROUTES = ("gather", "factors", "allreduce", "local")
+
+
+def check_int(name, value, low):
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DadConfig:
+  """Static configuration of a dAD layer (hashable: a ``nondiff`` argument).
+
+  Attributes:
+    axis_name: mesh / pmap / vmap axis of the sites; ``None``: one site.
+    mode: ``"exact"``, ``"rank"``, ``"auto"`` or ``"local"`` (module doc).
+    rank: components per site for ``"rank"``, >= 1. Default 4.
+    iters: maximum power iterations per component, >= 1. Default 10.
+    tol: power-iteration convergence threshold on ``||b_new - b||``, >= 0.
+      Default 1e-3 (the authors' default).
+    aggregation: ``"one_way"`` (sum of all sites' factors, rank <= N r) or
+      ``"two_way"`` (global rank-r result). Default ``"one_way"``.
+    warm_start: start each step's power iteration from the last step's
+      right factors (``"rank"`` only). Default False.
+    error_feedback: keep each site's compression residual and add it to the
+      next step's local gradient (``"rank"`` only). Default False.
+    seed: seed of the random starts; the key is ``fold_in(key(seed),
+      step)``, identical on every site. Default 0.
+    precision: ``jax.lax.Precision`` of the matmuls. Default ``None``.
+    quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
+      rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
+      unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
+  """
+
+  axis_name: str | None = "data"
+  mode: str = "exact"
+  rank: int = 4
+  iters: int = 10
+  tol: float = 1e-3
+  aggregation: str = "one_way"
+  warm_start: bool = False
+  error_feedback: bool = False
+  seed: int = 0
+  precision: Any = None
+  quantize_bits: int | None = None
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    check_int("rank", self.rank, 1)
+    check_int("iters", self.iters, 1)
+    if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not (
+        math.isfinite(self.tol) and self.tol >= 0):
+      raise ValueError(f"tol must be a finite number >= 0, got {self.tol!r}")
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+    if self.axis_name is not None and not isinstance(self.axis_name, str):
+      raise ValueError(f"axis_name must be a str or None, got {self.axis_name!r}")
+    for flag in ("warm_start", "error_feedback"):
+      if getattr(self, flag) and self.mode != "rank":
+        raise ValueError(f"{flag} applies to mode='rank' only, got mode={self.mode!r}")
+    check_int("seed", self.seed, 0)
+    if self.quantize_bits is not None:
+      if self.mode != "exact":
+        raise ValueError(f"quantize_bits applies to mode='exact' only, got mode={self.mode!r}")
+      if (isinstance(self.quantize_bits, bool) or not isinstance(self.quantize_bits, int)
+          or not 1 <= self.quantize_bits <= 8):
+        raise ValueError(f"quantize_bits must be None or an int in [1, 8], "
+                         f"got {self.quantize_bits!r}")
