@@ -36,7 +36,8 @@ all-gather moves is padded to ``R`` rows (``Traffic``, ``wire_bits``); the
 bits of the rows actually sent are ``useful_bits`` (traced). Compute is
 ``N R`` rows in the shared backward pass, plus ``2 R`` for the correction
 (true and quantized rows) and ``R`` single-row backward passes for the
-``"grad_norm"`` score (``backward_rows``).
+``"grad_norm"`` score (``backward_rows``), and one forward pass of ``R``
+rows for the reported loss and metrics.
 
 References:
   Hanna, Ezzeldin, Fragouli, Diggavi, "Quantizing data for distributed
