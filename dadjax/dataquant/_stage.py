@@ -188,7 +188,10 @@ def dataquant(
   block = _check_int("block", block, 1)
   kmeans_iters = _check_int("kmeans_iters", kmeans_iters, 1)
   if isinstance(correction, str):
-    correction = get_compressor(correction)
+    try:
+      correction = get_compressor(correction)
+    except ValueError as e:
+      raise ValueError(f"correction: not a compressor spec string: {e}") from None
   if correction is not None and not isinstance(correction, Compressor):
     raise ValueError(f"correction must be None, a Compressor or a compressor spec string, "
                      f"got {correction!r}")
