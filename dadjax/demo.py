@@ -32,6 +32,7 @@ DEFAULT_METHODS = {
     "powersgd:2": 0.1,
     "dad": 0.1,
     "rank_dad:2": 0.1,
+    "dataquant:2:classes=10": 0.1,  # 2-bit data, not gradients (compute: N x the rows)
 }
 
 

@@ -40,6 +40,9 @@ class DadConfig:
     seed: seed of the random starts; the key is ``fold_in(key(seed),
       step)``, identical on every site. Default 0.
     precision: ``jax.lax.Precision`` of the matmuls. Default ``None``.
+    quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
+      rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
+      unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
   """
 
   axis_name: str | None = "data"
@@ -52,6 +55,7 @@ class DadConfig:
   error_feedback: bool = False
   seed: int = 0
   precision: Any = None
+  quantize_bits: int | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -69,3 +73,10 @@ class DadConfig:
       if getattr(self, flag) and self.mode != "rank":
         raise ValueError(f"{flag} applies to mode='rank' only, got mode={self.mode!r}")
     check_int("seed", self.seed, 0)
+    if self.quantize_bits is not None:
+      if self.mode != "exact":
+        raise ValueError(f"quantize_bits applies to mode='exact' only, got mode={self.mode!r}")
+      if (isinstance(self.quantize_bits, bool) or not isinstance(self.quantize_bits, int)
+          or not 1 <= self.quantize_bits <= 8):
+        raise ValueError(f"quantize_bits must be None or an int in [1, 8], "
+                         f"got {self.quantize_bits!r}")

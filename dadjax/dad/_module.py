@@ -56,9 +56,10 @@ class Dense(nn.Module):
     kernel_init: default ``lecun_normal()`` (Flax's).
     bias_init: default zeros.
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed: see :class:`DadConfig` (defaults ``"data"``,
-      ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0). The seed is
-      combined with the layer's path, so layers draw different starts.
+    error_feedback, seed, quantize_bits: see :class:`DadConfig` (defaults
+      ``"data"``, ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0,
+      None). The seed is combined with the layer's path, so layers draw
+      different starts (and rounding noise).
     capture: expose ``A`` and ``D`` (above). Default False.
 
   References:
@@ -82,6 +83,7 @@ class Dense(nn.Module):
   warm_start: bool = False
   error_feedback: bool = False
   seed: int = 0
+  quantize_bits: int | None = None
   capture: bool = False
 
   def __post_init__(self):
