@@ -21,7 +21,6 @@ from dadjax.compress import packed_words
 from dadjax.models import MLP
 from dadjax.stage import GradResult, StageContext
 
-from dadjax.comm import hlo_collectives
 
 SITES, ROWS, DIM, CLASSES = 8, 8, 12, 3
 MODEL = MLP(hidden=(8,), num_classes=CLASSES)
