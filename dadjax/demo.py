@@ -33,6 +33,7 @@ DEFAULT_METHODS = {
     "dad": 0.1,
     "rank_dad:2": 0.1,
     "accordion(powersgd:2,powersgd:1)": 0.1,
+    "dataquant:2:classes=10": 0.1,  # 2-bit data, not gradients (compute: N x the rows)
 }
 
 

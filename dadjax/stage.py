@@ -7,6 +7,19 @@ the step's gradient function as often as it needs (e.g. once on the
 gathered quantized data and once more for a correction) and hands back
 the gradient the optimizer should see. The train step knows such methods
 only through this interface; this module imports nothing above ``comm``.
+
+Loss contract: a pass of ``grad_fn`` / ``loss_fn`` over a batch of ``n``
+rows with per-row weights ``w`` (the batch's ``"weight"``, 1 when absent)
+computes ``sum_i w_i l_i / n``: the mean over the rows, not over the
+weights (the default losses of :mod:`dadjax.parallel` do). So a pass over
+the ``N R`` rows gathered from ``N`` sites is the all-reduce mean of the
+sites' losses, ``1/p`` importance weights keep estimates unbiased, and
+weight 0 drops a row (padding). A custom loss function used with a batch
+stage must follow it.
+
+Metrics: the step calls ``metrics_fn(result.aux, batch)`` with this site's
+batch, so a stage returns the loss and ``aux`` of this site's own rows
+(e.g. from ``ctx.loss_fn(params, batch)``), not of rows it gathered.
 """
 
 from __future__ import annotations

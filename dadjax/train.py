@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
 from dadjax import models
-from dadjax.comm import HierarchicalNetwork, NetworkModel, comm_stats, host_array
+from dadjax.comm import HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
 from dadjax.errors import CheckpointError, ConfigError, DivergenceError
@@ -295,6 +295,7 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       "modeled_comm_s_per_step": step_time,
       "modeled_comm_s": step_time * summary.updates,
       "wall_s": seconds,
+      **_stage_costs(state.stage_state),
   }
   row.update(state_rows(state.opt_state, step_fn.params(state)))
   return row
@@ -323,3 +324,21 @@ def state_rows(opt_state: Any, params: Any) -> dict:
     if _has_row(part):
       row.update(part.metrics_row(params))
   return row
+
+
+def _stage_costs(stage_state) -> dict:
+  """A batch stage's own cost read-outs of the last step (largest site), if it keeps them.
+
+  ``useful_bits_per_step``: the bits of what was actually sent (gated rows);
+  ``stage_wire_bits_per_step``: what its compiled collectives move (padded);
+  ``backward_rows_per_step``: rows through a backward pass (compute cost).
+  """
+  out = {}
+  for field, key in (("useful_bits", "useful_bits_per_step"),
+                     ("wire_bits", "stage_wire_bits_per_step")):
+    value = getattr(stage_state, field, None)
+    if value is not None:
+      out[key] = max(np.atleast_1d(bits_to_int(value)).tolist())
+  if getattr(stage_state, "backward_rows", None) is not None:
+    out["backward_rows_per_step"] = int(np.max(host_array(stage_state.backward_rows)))
+  return out

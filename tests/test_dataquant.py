@@ -16,25 +16,32 @@ from jax.sharding import PartitionSpec as P
 
 import dadjax
 from dadjax import dataquant as DQ
-from dadjax.comm import bits_to_int
+from dadjax.comm import bits_to_int, hlo_collectives
 from dadjax.compress import packed_words
 from dadjax.models import MLP
 from dadjax.stage import GradResult, StageContext
 
-from dadjax.comm import hlo_collectives
 
 SITES, ROWS, DIM, CLASSES = 8, 8, 12, 3
 MODEL = MLP(hidden=(8,), num_classes=CLASSES)
 
 
-def loss_fn(params, batch):
+def collective_bytes(hlo: str) -> dict:
+  """Operand bytes of the compiled all-reduces and all-gathers (per site)."""
+  ops = hlo_collectives(hlo)
+  return {"reduce": ops.nbytes.get("reduce", 0), "gather": ops.nbytes.get("gather", 0)}
+
+
+def loss_fn(params, batch, rng=None):
+  del rng
   logits = MODEL.apply({"params": params}, batch["x"])
   per_row = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
   w = batch.get("weight", jnp.ones(per_row.shape))
-  return jnp.sum(w * per_row) / jnp.sum(w), logits
+  return jnp.mean(w * per_row), logits  # the stage contract: sum(w l) / rows
 
 
-def grad_fn(params, batch):
+def grad_fn(params, batch, rng=None):
+  del rng
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   return GradResult(loss, aux, grads, {}, {})
 

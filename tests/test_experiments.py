@@ -47,3 +47,14 @@ def test_accordion_experiment_runs(tmp_path):
   assert "| mlp | iid | powersgd |" in text and "| mlp | iid | topk |" in text
   for png in ("accordion_bits.png", "accordion_decisions.png"):
     assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_dataquant_experiment_runs(tmp_path):
+  _run(["experiments/dataquant.py", "--steps", "4", "--eval-every", "2", "--seeds", "0,1",
+        "--models", "mlp", "--methods", "allreduce,powersgd:2,qdad:4,dataquant:2:classes=10",
+        "--widths", "16,32", "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "dataquant.md").read_text()
+  for method in ("allreduce", "powersgd:2", "qdad:4", "dataquant:2:classes=10"):
+    assert f"| {method} |" in text
+  assert "Width sweep" in text and (tmp_path / "dataquant.png").stat().st_size > 10_000

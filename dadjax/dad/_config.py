@@ -49,6 +49,9 @@ class DadConfig:
     accordion_eta: critical threshold on the relative change (> 0). Default 0.5.
     lr_schedule: the optimizer's schedule (step -> lr); a decrease makes the
       layer critical until the next check. Default ``None``.
+    quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
+      rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
+      unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
   """
 
   axis_name: str | None = "data"
@@ -66,6 +69,7 @@ class DadConfig:
   accordion_interval: int = 1
   accordion_eta: float = 0.5
   lr_schedule: Any = None
+  quantize_bits: int | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -99,3 +103,10 @@ class DadConfig:
     if self.lr_schedule is not None and not callable(self.lr_schedule):
       raise ValueError(f"lr_schedule must be callable (step -> lr) or None, got "
                        f"{self.lr_schedule!r}")
+    if self.quantize_bits is not None:
+      if self.mode != "exact":
+        raise ValueError(f"quantize_bits applies to mode='exact' only, got mode={self.mode!r}")
+      if (isinstance(self.quantize_bits, bool) or not isinstance(self.quantize_bits, int)
+          or not 1 <= self.quantize_bits <= 8):
+        raise ValueError(f"quantize_bits must be None or an int in [1, 8], "
+                         f"got {self.quantize_bits!r}")

@@ -3,6 +3,7 @@
 * :mod:`dadjax.dad._config`: :class:`DadConfig` and the mode names;
 * :mod:`dadjax.dad._state`: the ``"dad_state"`` entry;
 * :mod:`dadjax.dad._routes`: the backward pass of each route (metered);
+* :mod:`dadjax.dad._quantized`: quantized dAD's payload (``quantize_bits``);
 * :mod:`dadjax.dad._cost`: the routes' cost model (bits from the payloads);
 * :mod:`dadjax.dad._vjp`: the ``custom_vjp`` and :func:`dense`;
 * :mod:`dadjax.dad._module`: the Flax :class:`Dense`.

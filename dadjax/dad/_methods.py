@@ -90,6 +90,16 @@ def _local(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Meth
 
 
 @register_method(
+    "qdad",
+    Arg("bits", int, within="[1, 8]", doc="bits per number of the gathered A and D"),
+)
+def _quantized(bits: int = 4, *, axis_name: str | None = "data", seed: int = 0,
+               other=None) -> Method:
+  """Quantized dAD: every dense layer all-gathers A and D stochastically rounded to b bits."""
+  return _method(other, axis_name, seed, mode="exact", quantize_bits=bits)
+
+
+@register_method(
     "rank_dad",
     Arg("rank", int, within="[1, inf)", doc="components per site"),
     Arg("two_way", bool, doc="two-way aggregation (global rank-r result) instead of one-way"),
@@ -168,8 +178,8 @@ def get_method(
 ) -> tuple[optax.GradientTransformationExtraArgs, DenseFactory]:
   """The optimizer-side transformation and the model's dense factory for a dAD spec.
 
-  Specs: ``"dad"`` (exact), ``"auto_dad"`` (cheapest exact route per
-  layer), ``"local_dad"`` (no dAD: every parameter goes to ``other``),
+  Specs: ``"dad"`` (exact), ``"qdad:B"`` (exact route, A and D sent at B
+  bits, unbiased), ``"auto_dad"`` (cheapest exact route per layer), ``"local_dad"`` (no dAD: every parameter goes to ``other``),
   ``"rank_dad:R"`` (rank-dAD, rank R, one-way) with optional flags
   ``:two_way``, ``:warm`` (warm start), ``:ef`` (error feedback) and
   keywords ``iters=``, ``tol=``, e.g. ``"rank_dad:4:two_way:ef"``.

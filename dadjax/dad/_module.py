@@ -57,9 +57,10 @@ class Dense(nn.Module):
     kernel_init: default ``lecun_normal()`` (Flax's).
     bias_init: default zeros.
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed: see :class:`DadConfig` (defaults ``"data"``,
-      ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0). The seed is
-      combined with the layer's path, so layers draw different starts.
+    error_feedback, seed, quantize_bits: see :class:`DadConfig` (defaults
+      ``"data"``, ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0,
+      None). The seed is combined with the layer's path, so layers draw
+      different starts (and rounding noise).
     rank_low, accordion_window, accordion_interval, accordion_eta,
     lr_schedule: rank-dAD under Accordion (see :class:`DadConfig`); the
       bits the layer reports follow the rank it runs at this step.
@@ -91,6 +92,7 @@ class Dense(nn.Module):
   accordion_interval: int = 1
   accordion_eta: float = 0.5
   lr_schedule: Any = None
+  quantize_bits: int | None = None
   capture: bool = False
 
   def __post_init__(self):

@@ -13,7 +13,9 @@ collectives that only re-type a cotangent under ``shard_map``.
 
 Routes (``y = x W + b``, rows ``A`` (n x d_in), deltas ``D`` (n x d_out)):
 
-* ``"gather"`` (exact dAD): all-gather ``[A, D]``.
+* ``"gather"`` (exact dAD): all-gather ``[A, D]``; with ``quantize_bits``
+  (quantized dAD, :mod:`dadjax.dad._quantized`) their ``b``-bit codes and
+  per-row ranges, decoded after the gather (exact in expectation).
 * ``"allreduce"``: psum ``A^T D`` (and ``D``'s column sums with a bias).
 * ``"factors"`` (rank-dAD): all-gather this site's rank-r factors of
   ``A^T D`` (and ``D``'s column sums with a bias); two-way adds a psum
@@ -32,6 +34,7 @@ from dadjax.comm import (NO_TRAFFIC, Traffic, is_varying, metered_all_gather, me
                          metered_psum, site_index, to_varying, traffic_add, vma)
 from dadjax.dad._config import DadConfig
 from dadjax.dad._power import factorize
+from dadjax.dad._quantized import quantize_keys, quantized_gather
 from dadjax.dad._rank_accordion import rank_dad_accordion
 from dadjax.dad._state import current_state
 
@@ -92,7 +95,15 @@ def backward(config: DadConfig, route: str, res, dy, *, num_sites: int):
       "uses": jnp.ones((), jnp.float32), "step": cur["step"] + 1}
   sent = []
 
-  if route == "gather":
+  if route == "gather" and config.quantize_bits is not None:
+    step = cur["step"] if cur is not None else 0
+    keys = quantize_keys(config.seed, step, axis)
+    a_all, d_all, t = quantized_gather(a, d, config.quantize_bits, keys, axis,
+                                       invariant=invariant)
+    sent.append(t)
+    gk = dot(a_all.T, d_all) * scale
+    gb = jnp.sum(d_all, axis=0) * scale
+  elif route == "gather":
     rows, t = metered_all_gather(jnp.concatenate([a, d], axis=1), axis, invariant=invariant)
     sent.append(t)
     rows = rows.reshape(-1, d_in + d_out)

@@ -11,7 +11,7 @@ from dadjax.dataquant._codebook import (
     kmeans,
     merge_codebooks,
 )
-from dadjax.dataquant._correction import correction_term, rescale
+from dadjax.dataquant._correction import correction_term
 from dadjax.dataquant._gate import (
     GATE_MODES,
     SCORES,
@@ -24,6 +24,7 @@ from dadjax.dataquant._gate import (
 )
 from dadjax.dataquant._labels import decode_labels, encode_labels, label_bits
 from dadjax.dataquant._stage import QUANTIZERS, DataQuantState, dataquant
+from dadjax.dataquant import _methods  # registers the "dataquant" method
 from dadjax.dataquant._uniform import (
     SCALES,
     UniformPayload,
@@ -32,3 +33,34 @@ from dadjax.dataquant._uniform import (
     uniform_header_bits,
     uniform_row_bits,
 )
+
+__all__ = [
+    "codebook_bits",
+    "codebook_row_bits",
+    "correction_term",
+    "dataquant",
+    "DataQuantState",
+    "decode_codebook",
+    "decode_labels",
+    "dequantize_uniform",
+    "encode_codebook",
+    "encode_labels",
+    "fit_codebook",
+    "GATE_MODES",
+    "GateDecision",
+    "grad_norm_scores",
+    "kmeans",
+    "label_bits",
+    "loss_scores",
+    "merge_codebooks",
+    "quantize_uniform",
+    "QUANTIZERS",
+    "sample_gate",
+    "SCALES",
+    "SCORES",
+    "send_probabilities",
+    "threshold_gate",
+    "uniform_header_bits",
+    "uniform_row_bits",
+    "UniformPayload",
+]

@@ -16,20 +16,28 @@ Each step, every site
    :class:`~dadjax.compress.Compressor` through
    :func:`dadjax.compress.exchange`, every ``correct_every`` steps.
 
-Rows ``i`` of site ``s`` carry weights ``w_si`` (1, or the batch's
-``"weight"`` normalized to sum to ``R`` per site) divided by the gate's
-send probability; the gathered pass is rescaled to the denominator ``N R``,
-so with quantization off and the gate open the gradient is exactly the
-all-reduce mean of the sites' mean gradients, and with the sampling gate it
-is an unbiased estimate of it. With an uncompressed correction the result
-is that gradient exactly, whatever the quantizer and gate.
+Loss contract (:mod:`dadjax.stage`): a pass over ``n`` rows computes
+``sum_i w_i l_i / n``. Rows ``i`` of site ``s`` carry weights ``w_si`` (1,
+or the batch's ``"weight"``) divided by the gate's send probability, and
+the gathered pass runs over ``N R`` rows, so with quantization off and the
+gate open its gradient is exactly the all-reduce mean of the sites'
+gradients, and with the sampling gate it is an unbiased estimate of it.
+With an uncompressed correction the result is that gradient exactly,
+whatever the quantizer and gate.
+
+What the step sees: the gradient above, and the loss and ``aux`` of a
+forward pass on this site's own, exact rows (``R`` rows, or the
+correction's true pass when there is one), so ``metrics_fn(aux, batch)``
+compares like with like and the reported loss is the site's training loss
+as under all-reduce.
 
 Cost, reported in :class:`DataQuantState`: the payload the compiled
 all-gather moves is padded to ``R`` rows (``Traffic``, ``wire_bits``); the
 bits of the rows actually sent are ``useful_bits`` (traced). Compute is
 ``N R`` rows in the shared backward pass, plus ``2 R`` for the correction
 (true and quantized rows) and ``R`` single-row backward passes for the
-``"grad_norm"`` score (``backward_rows``).
+``"grad_norm"`` score (``backward_rows``), and one forward pass of ``R``
+rows for the reported loss and metrics.
 
 References:
   Hanna, Ezzeldin, Fragouli, Diggavi, "Quantizing data for distributed
@@ -54,7 +62,7 @@ from dadjax.compress._packing import code_bits
 from dadjax.registry import get_compressor
 from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
                                         merge_codebooks)
-from dadjax.dataquant._correction import correction_term, rescale
+from dadjax.dataquant._correction import correction_term
 from dadjax.dataquant._gate import (check_gate, check_score, grad_norm_scores, loss_scores,
                                     sample_gate, threshold_gate)
 from dadjax.dataquant._labels import check_num_classes, decode_labels, encode_labels
@@ -180,7 +188,10 @@ def dataquant(
   block = _check_int("block", block, 1)
   kmeans_iters = _check_int("kmeans_iters", kmeans_iters, 1)
   if isinstance(correction, str):
-    correction = get_compressor(correction)
+    try:
+      correction = get_compressor(correction)
+    except ValueError as e:
+      raise ValueError(f"correction: not a compressor spec string: {e}") from None
   if correction is not None and not isinstance(correction, Compressor):
     raise ValueError(f"correction must be None, a Compressor or a compressor spec string, "
                      f"got {correction!r}")
@@ -219,9 +230,7 @@ def dataquant(
       raise ValueError(f"dataquant: batch[{label_key!r}] must have shape ({rows},), got {y.shape}")
     xf = x.reshape(rows, dim).astype(jnp.float32)
     if "weight" in batch:
-      w0 = jnp.asarray(batch["weight"], jnp.float32)
-      total = jnp.sum(w0)
-      w = jnp.where(total > 0, w0 * (rows / jnp.where(total > 0, total, 1.0)), 0.0)
+      w = jnp.asarray(batch["weight"], jnp.float32)
     else:
       w = jnp.ones((rows,), jnp.float32)
     n_sites = axis_size(axis_name)
@@ -313,7 +322,7 @@ def dataquant(
     traffic = traffic_add(traffic, gather_traffic)
     xh, yh, wh = jax.vmap(decode)(gathered)
     gbatch = as_batch(xh.reshape(n_sites * rows, dim), yh.reshape(-1), wh.reshape(-1))
-    result = rescale(ctx.grad_fn(params, gbatch), jnp.sum(gbatch["weight"]), n_sites * rows)
+    result = ctx.grad_fn(params, gbatch, jax.random.fold_in(ctx.shared_key, 2))
     grads = result.grads
 
     # 5. The correction.
@@ -325,7 +334,7 @@ def dataquant(
       sent = {}
 
       def corrected(cstate):
-        c, _ = correction_term(ctx.grad_fn, params, true_batch, own, rows)
+        c, _ = correction_term(ctx.grad_fn, params, true_batch, own)
         ex = exchange(correction, c, cstate, keys, axis_name)
         sent["traffic"] = ex.traffic
         return ex.mean, ex.state, _as_bits(ex.traffic.reduce), _as_bits(ex.traffic.gather)
@@ -368,7 +377,9 @@ def dataquant(
         correction=corr_state, codebook=codebook, codebook_ready=ready,
         sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, wire_bits=wire_bits,
         backward_rows=jnp.asarray(backward, jnp.int32), correction_active=active)
-    out = GradResult(result.loss, result.aux, grads, result.model_state, result.extra_args)
+    # 7. What the step reports: loss and aux of this site's own rows, exact inputs.
+    site_loss, site_aux = ctx.loss_fn(params, batch)
+    out = GradResult(site_loss, site_aux, grads, result.model_state, result.extra_args)
     return StageOutput(out, new_state, traffic)
 
   return BatchStage(init, apply)

@@ -70,7 +70,9 @@ the optimizer (a batch stage's collectives, the ``pmean`` of averaged
 collections and of the metrics) is booked in ``TrainState.comm``, a
 :class:`~dadjax.comm.CommStats` the step owns. ``dadjax.comm_stats(state)``
 on the whole train state sums both; ``comm_stats(state.opt_state)`` still
-reads the optimizer's part alone.
+reads the optimizer's part alone. With a batch stage the step's ledger also
+books the fp32 size of the gradient as its dense reference (the all-reduce
+the stage replaces), so compression ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dadjax._tree_utils import tree_nbits
 from dadjax.comm import (
     CommStats,
     NO_TRAFFIC,
@@ -520,7 +523,9 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
                                  reduce_calls=intra.reduce_calls, gather_calls=intra.gather_calls)
     metrics, metrics_traffic = metered_pmean(metrics, axis_name)
     traffic = traffic_add(traffic, metrics_traffic)
-    comm = ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather,
+    # a batch stage replaces the gradient all-reduce: its fp32 size is the dense reference
+    dense = tree_nbits(result.grads) if batch_stage is not None else 0
+    comm = ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather, dense=dense,
                          reduce_calls=traffic.reduce_calls, gather_calls=traffic.gather_calls)
     new_state = TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
                            stage_state, intra_comm)

@@ -1,0 +1,281 @@
+"""Quantizing data instead of gradients, against gradient compressors and dAD (issue 11).
+
+The regime the method targets: model dimension much larger than data
+dimension. A wide MLP and a small CNN on the embedded 8x8 digits (64
+features per row), 8 sites, iid split, SGD with momentum, the same
+initialization and batches for every method. Every method is trained with
+``--seeds`` seeds; reported (mean +- std over seeds):
+
+* the final test accuracy and the wire bits each site puts on a 1-link ring
+  per step (:class:`dadjax.NetworkModel`, bandwidth term only: an
+  all-reduce payload of B bits costs 2 (N-1)/N B, an all-gather payload
+  (N-1) B: data quantization and dAD all-gather, the gradient compressors
+  all-reduce);
+* the wire bits per site until the test accuracy first reaches
+  ``--target`` (evaluated every ``--eval-every`` steps);
+* the compute cost: rows through a backward pass per site per step
+  (data quantization runs the shared backward pass on all ``N R`` rows).
+
+A width sweep then reads the bits per step of one step of the MLP at
+growing hidden widths: data quantization's payload depends on the data, not
+the model, so it stays flat while the gradient compressors' grows.
+
+Usage (from the repository root)::
+
+  .venv/bin/python experiments/dataquant.py                      # the full run (~15 min, 2 cores)
+  .venv/bin/python experiments/dataquant.py --steps 4 --seeds 0 --models mlp \
+      --methods allreduce,dataquant:2:classes=10 --widths 16,32  # a smoke run
+
+Writes ``<out>/dataquant.md`` (tables + the command) and ``<out>/dataquant.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from dadjax import registry  # pylint: disable=g-import-not-at-top
+from dadjax.config import Config  # pylint: disable=g-import-not-at-top
+from dadjax.train import train  # pylint: disable=g-import-not-at-top
+
+ROOT = pathlib.Path(__file__).resolve().parent
+SITES, ROWS = 8, 16
+
+MODELS = {
+    "mlp": ("mlp", {"hidden": [512, 512]}),  # 300k parameters on 64 features
+    "cnn": ("cnn", {"features": [16, 32], "hidden": 256}),
+}
+
+# spec -> learning rate (SGD, momentum 0.9)
+METHODS = {
+    "allreduce": 0.1,
+    "qsgd:4": 0.1,
+    "ef_topk:0.01": 0.1,
+    "powersgd:2": 0.1,
+    "rank_dad:2": 0.1,
+    "qdad:4": 0.1,
+    "dataquant:1:classes=10": 0.1,
+    "dataquant:2:classes=10": 0.1,
+    "dataquant:4:classes=10": 0.1,
+    "dataquant:1:correct=ef_scaled_sign:classes=10": 0.1,
+    "dataquant:2:gate=0.5:gate_mode=sample:classes=10": 0.1,
+    "dataquant:2:correct=ef_scaled_sign:gate=0.5:gate_mode=sample:classes=10": 0.1,
+}
+GRADIENT_COMPRESSORS = ("qsgd:4", "ef_topk:0.01", "powersgd:2")
+SWEEP_METHODS = ("allreduce", "qsgd:4", "ef_topk:0.01", "powersgd:2", "rank_dad:2",
+                 "dataquant:2:classes=10")
+
+
+def available(spec: str) -> bool:
+  try:
+    registry.resolve("method", spec)
+    return True
+  except registry.SpecError:
+    return False
+
+
+def config_for(model: str, spec: str, seed: int, steps: int, eval_every: int,
+               width: int | None = None) -> Config:
+  name, kwargs = MODELS[model]
+  if width is not None:
+    kwargs = {"hidden": [width, width]}
+  return Config(model=name, model_kwargs=kwargs, method=spec, num_sites=SITES, backend="vmap",
+                batch_per_site=ROWS, steps=steps, eval_every=eval_every, seed=seed,
+                lr=METHODS.get(spec, 0.1), bandwidth=1.0, latency=0.0)
+
+
+def wire_rows(history: list[dict]) -> list[tuple[int, float, float]]:
+  """(step, test accuracy, cumulative wire bits per site) of each logged row.
+
+  With ``bandwidth=1`` and ``latency=0`` the modeled time *is* the ring's
+  wire bits per site.
+  """
+  return [(r["step"], r["test_accuracy"], r["modeled_comm_s"]) for r in history]
+
+
+def bits_to_target(history, target: float) -> float:
+  for _, acc, bits in wire_rows(history):
+    if acc >= target:
+      return bits
+  return float("nan")
+
+
+def run_method(model, spec, seeds, steps, eval_every):
+  runs = []
+  for seed in seeds:
+    t0 = time.perf_counter()
+    run = train(config_for(model, spec, seed, steps, eval_every), progress=False)
+    runs.append((run, time.perf_counter() - t0))
+  return runs
+
+
+def mean_std(values) -> str:
+  v = np.asarray(values, float)
+  if np.all(np.isnan(v)):
+    return "not reached"
+  reached = v[~np.isnan(v)]
+  text = f"{reached.mean():.3g} ± {reached.std():.2g}"
+  return text if len(reached) == len(v) else f"{text} ({len(reached)}/{len(v)} seeds)"
+
+
+def task_table(model, results, target) -> tuple[str, dict]:
+  lines = [f"### {model}: {MODELS[model][1]}, {SITES} sites x {ROWS} rows, target test accuracy "
+           f"{target}", "",
+           "| method | test acc | wire bits/step/site | wire bits to target | "
+           "backward rows/step/site | wall s/run |",
+           "|---|---|---|---|---|---|"]
+  to_target = {}
+  for spec, runs in results.items():
+    finals = [r.final for r, _ in runs]
+    acc = [f["test_accuracy"] for f in finals]
+    per_step = [f["modeled_comm_s"] / f["step"] for f in finals]
+    reach = [bits_to_target(r.history, target) for r, _ in runs]
+    to_target[spec] = reach
+    rows = [f.get("backward_rows_per_step", ROWS) for f in finals]
+    lines.append(f"| {spec} | {np.mean(acc):.3f} ± {np.std(acc):.3f} | {np.mean(per_step):,.0f} | "
+                 f"{mean_std(reach)} | {int(np.max(rows))} | "
+                 f"{np.mean([t for _, t in runs]):.1f} |")
+  return "\n".join(lines), to_target
+
+
+def verdict(model, to_target) -> str:
+  def best(specs):
+    scored = [(np.nanmean(to_target[s]), s) for s in specs if s in to_target
+              and not np.all(np.isnan(to_target[s]))]
+    return min(scored) if scored else None
+
+  grad = best([s for s in GRADIENT_COMPRESSORS])
+  data = best([s for s in to_target if s.startswith("dataquant")])
+  if grad is None or data is None:
+    return f"- {model}: target not reached by " + (
+        "any gradient compressor" if grad is None else "any data quantization") + "."
+  ratio = grad[0] / data[0]
+  ok = "met" if ratio >= 10 else "NOT met"
+  return (f"- {model}: best data quantization `{data[1]}` reaches the target with "
+          f"{data[0]:.3g} wire bits/site, the best gradient compressor `{grad[1]}` with "
+          f"{grad[0]:.3g}: {ratio:.1f}x fewer ({ok}: target >= 10x).")
+
+
+def width_sweep(widths, steps=1) -> tuple[str, dict]:
+  lines = ["### Width sweep: MLP hidden (w, w), wire bits/step/site", "",
+           "| method | " + " | ".join(f"w={w}" for w in widths) + " |",
+           "|---|" + "---|" * len(widths)]
+  sweep = {}
+  for spec in [s for s in SWEEP_METHODS if available(s)]:
+    bits = []
+    for w in widths:
+      run = train(config_for("mlp", spec, 0, steps, steps, width=w), progress=False)
+      bits.append(run.final["modeled_comm_s"] / run.final["step"])
+    sweep[spec] = bits
+    lines.append(f"| {spec} | " + " | ".join(f"{b:,.0f}" for b in bits) + " |")
+  return "\n".join(lines), sweep
+
+
+def plot(curves, sweep, widths, path) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, len(curves) + 1, figsize=(5.5 * (len(curves) + 1), 4.5))
+  colors = plt.cm.tab20.colors
+  for ax, (model, results) in zip(axes, curves.items()):
+    for i, (spec, runs) in enumerate(results.items()):
+      rows = np.asarray([[a for _, a, _ in wire_rows(r.history)] for r, _ in runs])
+      bits = np.asarray([b for _, _, b in wire_rows(runs[0][0].history)])
+      ax.plot(bits, rows.mean(0), marker="os^v"[i % 4], ms=3, color=colors[i % len(colors)],
+              label=spec)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative wire bits per site (ring)")
+    ax.set_ylabel("test accuracy (mean over seeds)")
+    ax.set_title(f"{model}, {SITES} sites")
+  axes[0].legend(fontsize=6)
+  ax = axes[-1]
+  for i, (spec, bits) in enumerate(sweep.items()):
+    ax.plot(widths, bits, marker="os^v"[i % 4], color=colors[(2 * i) % len(colors)], label=spec)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("MLP hidden width")
+  ax.set_ylabel("wire bits per step per site")
+  ax.set_title("bits/step vs model width")
+  ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default="mlp,cnn")
+  parser.add_argument("--methods", default=",".join(METHODS))
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--steps", type=int, default=120)
+  parser.add_argument("--eval-every", type=int, default=10)
+  parser.add_argument("--target", type=float, default=0.92)
+  parser.add_argument("--widths", default="64,256,1024")
+  parser.add_argument("--out", default=str(ROOT / "results"))
+  args = parser.parse_args(argv)
+  seeds = [int(s) for s in args.seeds.split(",")]
+  widths = [int(w) for w in args.widths.split(",")]
+  methods = registry.split_specs(args.methods)
+  skipped = [m for m in methods if not available(m)]
+  methods = [m for m in methods if available(m)]
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  t0 = time.perf_counter()
+  sections, curves, verdicts = [], {}, []
+  for model in args.models.split(","):
+    results = {}
+    for spec in methods:
+      print(f"{model}: {spec}", flush=True)
+      results[spec] = run_method(model, spec, seeds, args.steps, args.eval_every)
+    table, to_target = task_table(model, results, args.target)
+    print(table, flush=True)
+    sections.append(table)
+    curves[model] = results
+    verdicts.append(verdict(model, to_target))
+  sweep_table, sweep = width_sweep(widths)
+  print(sweep_table, flush=True)
+  plot(curves, sweep, widths, out / "dataquant.png")
+  command = "python experiments/dataquant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  text = "\n\n".join([
+      "# Data quantization against gradient compressors and dAD",
+      f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on the CPU, vmap "
+      f"backend, seeds {seeds}, {args.steps} steps, SGD momentum 0.9, lr 0.1).",
+      *sections,
+      "### Against the target (>= 10x fewer wire bits than the best gradient compressor)",
+      "\n".join(verdicts),
+      sweep_table,
+      NOTES + (f"\n- Not run (not registered in this build): {', '.join(skipped)}."
+               if skipped else ""),
+  ])
+  (out / "dataquant.md").write_text(text + "\n")
+  print(f"wrote {out / 'dataquant.md'} and {out / 'dataquant.png'}")
+  return 0
+
+
+NOTES = """Notes.
+- Wire bits are `dadjax.NetworkModel` (ring, bandwidth term, `bandwidth=1`, `latency=0`) applied
+  to the train state's ledgers (`dadjax.comm_stats`): per site, all-reduce payloads cost
+  2 (N-1)/N B and all-gather payloads (N-1) B. Data quantization and dAD all-gather, so each of
+  their payload bits costs N/2 = 4 times more on the wire than an all-reduced bit. For a gated
+  stage the ledger holds the padded payload the compiled all-gather moves; the rows actually sent
+  (`useful_bits_per_step` in the metrics rows) are fewer.
+- Every ledger also holds the metrics' `pmean` (2 fp32 scalars per step), the same for all.
+- Compute: data quantization runs the shared backward pass on all N R = 128 rows on every site
+  (8x the rows of the other methods), plus 2 R for a correction step; that is the price of its
+  bits. `backward rows/step/site` is the last step's count.
+- Wire bits to target: the cumulative wire bits per site at the first evaluation (every
+  `--eval-every` steps) whose test accuracy reaches the target; the mean is over the seeds that
+  reached it."""
+
+
+if __name__ == "__main__":
+  sys.exit(main())
