@@ -26,7 +26,7 @@ from dadjax import models
 from dadjax.comm import HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
-from dadjax.errors import CheckpointError, ConfigError, DivergenceError
+from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_mesh, make_train_step
 
@@ -44,6 +44,16 @@ class Run:
 
   @property
   def final(self) -> dict:
+    """The last logged metrics row.
+
+    Raises:
+      DadjaxError: nothing was logged (a resumed run that had already
+        finished before any row was written); the state is still in ``state``.
+    """
+    if not self.history:
+      raise DadjaxError(
+          f"Run.final: no metrics row was logged by this run (it resumed at step "
+          f"{int(host_array(self.state.step)[0])} of {self.config.steps}); read run.state instead")
     return self.history[-1]
 
   @property

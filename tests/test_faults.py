@@ -4,6 +4,7 @@ Each test asserts the documented outcome (README, "When things go wrong"):
 which checkpoint is resumed, the message the user sees, and that the final
 parameters equal an uninterrupted run wherever a run was resumed.
 """
+import dataclasses
 import glob
 import json
 import os
@@ -422,3 +423,12 @@ def test_directory_without_dadjax_records_or_unusable(tmp_path):
   (tmp_path / "file").write_text("")
   with pytest.raises(CheckpointError, match=f"checkpoint_dir '{tmp_path / 'file'}' cannot be used"):
     train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(tmp_path / "file")), progress=False)
+
+
+
+def test_run_final_without_a_logged_row_is_a_clear_error():
+  run = train(Config(**SMALL), progress=False)
+  assert run.final["step"] == SMALL["steps"]
+  empty = dataclasses.replace(run, history=[])  # e.g. a rerun that logged nothing
+  with pytest.raises(DadjaxError, match="no metrics row was logged by this run"):
+    empty.final  # pylint: disable=pointless-statement
