@@ -54,8 +54,9 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bo
   tensors (> 1: fewer bits on the wire), and the modeled communication
   time, with latency charged per collective op of the compiled step
   (``TrainStep.collectives``; the step's metric all-reduce included). The
-  last columns are the bits and modeled time to the first evaluation at
-  ``target_accuracy`` ("-" when it is never reached).
+  last columns are the cumulative payload bits (the ledger) and the modeled time (steps x
+  modeled time per step, wire based) to the first evaluation at ``target_accuracy`` ("-" when
+  it is never reached).
   """
   config = runs[0].config
   n, topo = config.num_sites, config.topology
@@ -63,13 +64,13 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bo
   lines = [f"| method | lr | test acc | payload bits/step/site "
            f"| wire bits/step/site ({topo}, N={n}) "
            f"| wire ratio vs fp32 | vs bf16 | modeled comm/step (s) "
-           f"| bits to {target_accuracy:g} acc "
+           f"| payload bits to {target_accuracy:g} acc "
            f"| modeled comm to {target_accuracy:g} acc (s) | wall (s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   fp32_row = bf16_row = None
   for run in runs:
     row = run.final
-    summary = comm_stats(run.state.opt_state)
+    summary = comm_stats(run.state)  # every ledger: the optimizer's and the step's (batch stages)
     ops = None
     if compiled_ops:
       rows = n * run.config.batch_per_site

@@ -9,7 +9,7 @@ def test_demo_covers_compressors_and_dad():
 
 
 def test_demo_table_and_plot(tmp_path, capsys):
-  methods = "allreduce,topk:0.01,powersgd:2,dad,rank_dad:2"
+  methods = "allreduce,topk:0.01,powersgd:2,dad,rank_dad:2,dataquant:2:classes=10,accordion(powersgd:2,powersgd:1)"
   assert cli.main(["demo", "--no-progress", "--steps", "12", "--methods", methods,
                    "--out", str(tmp_path)]) == 0
   out = capsys.readouterr().out
