@@ -19,7 +19,7 @@ demo: install
 	$(BIN)/dadjax demo
 
 test: install
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 -q --durations=40
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
