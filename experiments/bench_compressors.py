@@ -6,8 +6,13 @@ compressor, against the same step with ``dadjax.allreduce`` (fp32 psum).
 Both steps are compiled and warmed up first; then the two are run
 alternately (fp32, method, fp32, method, ...), each call timed to
 ``block_until_ready``, and the median of the per-pair time ratios is
-reported with the bits each site sends per step and the compression ratio
-against fp32.
+reported next to the bits: payload bits each site hands to collectives per
+step (the ledger), wire bits per site under ``--topology`` at ``--wire-sites``
+N (default: the run's sites; an all-gather of B bits sends (N-1) B per site
+on a ring, an all-reduce 2 (N-1)/N B), and the wire ratio against an fp32
+and a bf16 all-reduce of the same tensors (> 1: fewer bits on the wire).
+Bits do not depend on the timing, so they can be stated for a larger N
+than the run simulates.
 
 Examples:
   # one GPU (default: one site)
@@ -46,9 +51,15 @@ def parse_args(argv=None):
                  help="auto: shard_map when there are enough devices, else vmap")
   p.add_argument("--host-devices", type=int, default=None,
                  help="simulate this many CPU devices (sets XLA_FLAGS; CPU runs only)")
+  p.add_argument("--wire-sites", type=int, default=None,
+                 help="N the wire bits and ratios are stated for (default: --sites)")
+  p.add_argument("--topology", default="ring", choices=("ring", "ps"),
+                 help="topology of the wire bits (ring, or parameter server)")
   p.add_argument("--markdown", default=None, help="also write the table to this file")
   args = p.parse_args(argv)
-  for name in ("steps", "sites", "batch", "width"):
+  if args.wire_sites is None:
+    args.wire_sites = args.sites
+  for name in ("steps", "sites", "batch", "width", "wire_sites"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   return args
@@ -125,6 +136,7 @@ def main(argv=None):
       ratios.append(m / b)
     stats = dadjax.comm_stats(job["state"].opt_state)
     loss = float(np.mean(np.asarray(job["metrics"]["loss"])))
+    wn, topo = args.wire_sites, args.topology
     row = {
         "method": spec,
         "ms": 1e3 * statistics.median(t_method),
@@ -132,24 +144,45 @@ def main(argv=None):
         "ratio": statistics.median(ratios),
         "bits": stats.bits_per_step,
         "dense": stats.dense_bits_per_step,
-        "cr": stats.dense_bits_per_step / stats.bits_per_step,
+        "wire": stats.wire_bits(wn, topo),
+        "fp32_wire": stats.fp32_wire_bits(wn, topo),
+        "bf16_wire": stats.bf16_wire_bits(wn, topo),
+        "vs_fp32": stats.wire_ratio(wn, topo),
+        "vs_bf16": stats.wire_ratio(wn, topo, "bf16"),
         "compile_s": job["compile_s"],
         "loss": loss,
     }
     rows.append(row)
     print(f"{spec:>16}: {row['ms']:9.2f} ms vs fp32 {row['base_ms']:9.2f} ms -> "
-          f"x{row['ratio']:.3f}  bits/step/site {row['bits']:,}  (compression {row['cr']:.1f}x)"
+          f"x{row['ratio']:.3f}  payload {row['bits']:,}  wire {row['wire']:,.0f} "
+          f"(vs fp32 {row['vs_fp32']:.2f}x, vs bf16 {row['vs_bf16']:.2f}x)"
           f"  compile {row['compile_s']:.1f}s  loss {loss:.3f}", flush=True)
 
-  table = ["| method | step (ms) | fp32 step (ms) | median ratio | bits/step/site | "
-           "compression vs fp32 | compile (s) |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+  wn, topo = args.wire_sites, args.topology
+  table = [f"| method | step (ms) | fp32 step (ms) | median time ratio | payload bits/step/site | "
+           f"wire bits/step/site ({topo}, N={wn}) | wire ratio vs fp32 | vs bf16 | compile (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   fp32_bits = rows[0]["dense"] if rows else 32 * num_params
+  fp32_wire = dadjax.comm.wire_bits("reduce", fp32_bits, wn, topo)
+  bf16_wire = dadjax.comm.wire_bits("reduce", fp32_bits // 2, wn, topo)
+
+  def ratio(x):
+    return f"{x:.2f}x" + (" (more)" if x < 1 else "")
+
   table.append(f"| fp32 psum (`dadjax.allreduce`) | {statistics.median(r['base_ms'] for r in rows):.2f}"
-               f" | - | 1.000 | {fp32_bits:,} | 1.0x | {base['compile_s']:.1f} |")
+               f" | - | 1.000 | {fp32_bits:,} | {fp32_wire:,.0f} | 1.00x | "
+               f"{ratio(bf16_wire / fp32_wire) if fp32_wire else '-'} | "
+               f"{base['compile_s']:.1f} |")
   for r in rows:
     table.append(f"| `{r['method']}` | {r['ms']:.2f} | {r['base_ms']:.2f} | {r['ratio']:.3f} | "
-                 f"{r['bits']:,} | {r['cr']:.1f}x | {r['compile_s']:.1f} |")
+                 f"{r['bits']:,} | {r['wire']:,.0f} | {ratio(r['vs_fp32'])} | "
+                 f"{ratio(r['vs_bf16'])} | {r['compile_s']:.1f} |")
+  more = [r["method"] for r in rows if r["vs_fp32"] < 1]
+  table.append("")
+  table.append(f"Wire bits per site and step, {topo} of N={wn} sites: an fp32 all-reduce of these "
+               f"tensors {fp32_wire:,.0f}, a bf16 all-reduce {bf16_wire:,.0f}. \"(more)\": more "
+               f"wire bits than that baseline. More than fp32: "
+               + (", ".join(f"`{m}`" for m in more) or "none") + ".")
   text = "\n".join(table)
   print()
   print(text)

@@ -3,15 +3,20 @@
 For each task in the config(s) (MLP on the embedded digits split by class
 over 8 sites, a GRU and a small transformer on synthetic counting
 sequences), every method trains from the same initialization on the same
-site-major batches. Reported per method: final test accuracy, bits each
-site sends per step (the ledger), compression versus fp32, modeled
-transfer time per step on a 1 Gbit/s ring, bandwidth term only (an
-all-gather payload costs (N-1) B / bw there, an all-reduce payload
-2 (N-1)/N B / bw: about N/2 times less per bit), the mean
-effective rank of the rank-dAD factorizations, and the relative error of the
-synchronized gradient against the exact (pooled) gradient, measured with
-the method's live state (warm starts, error-feedback memories) on the
-training batch every ``eval_every`` steps.
+site-major batches. Reported per method, per site and optimizer step:
+final test accuracy; payload bits (the ledger: what a site hands to
+collectives); wire bits on a ring of the task's N sites (an all-gather of
+B bits sends (N-1) B per site, an all-reduce 2 (N-1)/N B: about N/2 times
+less per payload bit); the wire ratio against an fp32 and a bf16
+all-reduce of the same tensors (> 1: fewer bits on the wire); the modeled
+communication time on a 1 Gbit/s ring with 50 us latency per message,
+charged per collective op of the compiled step (read from the HLO of the
+same step under shard_map); the steps, wire bits and modeled time to the
+task's target test accuracy; the mean effective rank of the rank-dAD
+factorizations; and the relative error of the synchronized gradient
+against the exact (pooled) gradient, measured with the method's live
+state (warm starts, error-feedback memories) on the training batch every
+``eval_every`` steps.
 
 Usage (from the repository root)::
 
@@ -51,12 +56,26 @@ from dadjax.train import build, evaluate, make_optimizer
 ROOT = pathlib.Path(__file__).resolve().parent
 NOTES = """\
 Notes.
-- bits/step/site is the ledger: the payload each site hands to collectives.
-  The ring column is the bandwidth term of `dadjax.NetworkModel` at 1 Gbit/s:
-  dAD and rank-dAD all-gather, so a bit costs them about N/2 = 4 times more
-  wire time than an all-reduced bit (PowerSGD, fp32 all-reduce). The train
-  step hands the optimizer the tree of bits the dAD layers sow, so
-  `auto_dad`'s all-reduce route is priced as all-reduce.
+- payload = the ledger: the bits each site hands to collectives per step.
+  wire = what a ring of N sites makes each site send for them: dAD and
+  rank-dAD all-gather, so a payload bit costs them N-1 = 7 wire bits, an
+  all-reduced bit (PowerSGD, fp32 all-reduce) 2 (N-1)/N = 1.75. The wire
+  ratios divide an fp32 (resp. bf16) all-reduce's wire bits of the same
+  tensors by the method's: below 1x the method puts *more* bits on the
+  wire than that baseline. `auto_dad` picks, per layer, the route with
+  fewer ring wire bits at the real N.
+- modeled comm/step: `dadjax.NetworkModel(1e9, 50e-6, N, "ring")`,
+  bandwidth term from the ledger, latency 2(N-1) (all-reduce) or N-1
+  (all-gather) messages per collective op of the compiled step (the same
+  step built with `backend="shard_map"` on 8 CPU devices,
+  `TrainStep.collectives`; the step's metric all-reduce included). Ops
+  inside a loop body (the GRU's scan) appear once in the HLO but run per
+  iteration: when a kind's compiled operand bits are below the ledger's,
+  its op count is scaled by their ratio (rounded up). At these sizes the
+  latency term dominates: fewer, larger collectives win.
+- to target: the first evaluation (every `eval_every` steps) at or above
+  the task's target test accuracy; wire bits and modeled time are that
+  many steps times the per-step numbers. "not reached" in the run.
 - GRU: the hidden-to-hidden layer runs inside `nn.scan`, so it is captured
   per time step (T = 8 collectives, and rank-dAD sends T r (d_in + d_out)
   numbers for it); `auto_dad` decides per call, i.e. per time step.
@@ -65,7 +84,8 @@ Notes.
   evaluation points. Error feedback (PowerSGD, TopK) re-sends past residuals,
   so its per-step error is large by design. One-way rank-dAD's aggregate
   has rank up to N r.
-- One seed, 150 steps: test-accuracy differences of a few points are noise.
+- One seed: test-accuracy differences of a few points, and so the steps
+  to target, are noise at this scale.
 """
 DEFAULT_CONFIGS = ("configs/dad_mlp.json", "configs/dad_gru.json", "configs/dad_transformer.json")
 
@@ -77,23 +97,29 @@ class Task:
   ``methods``: ``"pooled"`` (fp32 all-reduce on one site holding every
   site's rows), or any ``dadjax.methods.build_method`` spec (``"allreduce"``,
   ``"dad"``, ``"auto_dad"``, ``"rank_dad:R"``, ``"powersgd:R"``, ...).
+  ``target``: the test accuracy the "to target" columns measure up to.
   """
 
   name: str
   config: Config
   methods: tuple[str, ...]
+  target: float = 0.9
 
 
 def load_task(path: str | pathlib.Path, steps: int | None = None) -> Task:
-  """A task JSON: ``name``, ``methods`` and any ``Config`` fields but ``method``."""
+  """A task JSON: ``name``, ``methods``, ``target`` and any ``Config`` fields but ``method``."""
   raw = json.loads(pathlib.Path(path).read_text())
   name = raw.pop("name", pathlib.Path(path).stem)
+  target = float(raw.pop("target", 0.9))
+  if not 0 < target <= 1:
+    raise ValueError(f"{path}: target must be a test accuracy in (0, 1], got {target}")
   methods = tuple(raw.pop("methods", ("pooled", "allreduce", "dad")))
   if "method" in raw:
     raise ValueError(f"{path}: list the methods to compare under 'methods', not 'method'")
   if steps is not None:
     raw["steps"] = steps
-  return Task(name, Config(backend="vmap").replace(**raw), methods)  # checks keys and values
+  return Task(name, Config(backend="vmap").replace(**raw), methods,
+              target)  # Config.replace checks keys and values
 
 
 def _probe(model, base_model, comm_tx):
@@ -118,6 +144,43 @@ def _probe(model, base_model, comm_tx):
   return jax.jit(jax.vmap(site, axis_name="data"))
 
 
+LATENCY_S = 50e-6  # per message; NetworkModel's default
+BANDWIDTH = 1e9  # bits/s
+
+
+def compiled_ops(task: Task, model, optimizer, dataset, summary) -> tuple[dict, str]:
+  """Collective ops per kind the step runs, read from its compiled HLO under shard_map.
+
+  The experiment trains under ``vmap`` (one device, no collective ops in
+  its program), so the same step is built once more with
+  ``backend="shard_map"`` over the task's sites and only compiled. Ops in a
+  loop body (``nn.scan``) appear once in the HLO but run per iteration:
+  when a kind's compiled operand bits fall short of the ledger's payload,
+  its count is scaled by their ratio, rounded up.
+
+  Returns:
+    ``({"reduce": n, "gather": m}, source)``; ``source`` says where the
+    counts come from (``"ledger calls"`` if the step cannot be compiled on
+    this host, e.g. fewer devices than sites).
+  """
+  cfg = task.config
+  fallback = {"reduce": summary.reduce_calls, "gather": summary.gather_calls}
+  if jax.device_count() < cfg.num_sites:
+    return fallback, "ledger calls"
+  step = make_train_step(model, optimizer, num_sites=cfg.num_sites, backend="shard_map")
+  state = step.init(jax.random.key(cfg.seed), dataset.x_train[:cfg.batch_per_site])
+  rows = cfg.num_sites * cfg.batch_per_site
+  found = step.collectives(state, {"x": dataset.x_train[:rows], "y": dataset.y_train[:rows]})
+  ops = {}
+  payload = {"reduce": max(summary.reduce_bits), "gather": max(summary.gather_bits)}
+  for kind in ("reduce", "gather"):
+    count, bits = found.count.get(kind, 0), found.bits(kind)
+    if count and bits < payload[kind]:
+      count *= -(-payload[kind] // bits)
+    ops[kind] = count
+  return ops, "compiled HLO"
+
+
 def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
   """Train one method; returns its history and summary row."""
   cfg = task.config
@@ -125,13 +188,10 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
   sites = 1 if pooled else cfg.num_sites
   method = build_method("allreduce" if pooled else spec, "data", cfg.seed)
   model = base_model.clone(dense=method.dense) if method.dense is not None else base_model
-  step = make_train_step(model, make_optimizer(cfg, method.tx), num_sites=sites,
-                         backend=cfg.backend)
+  optimizer = make_optimizer(cfg, method.tx)
+  step = make_train_step(model, optimizer, num_sites=sites, backend=cfg.backend)
   state = step.init(jax.random.key(cfg.seed), dataset.x_train[:cfg.batch_per_site])
   probe = None if pooled else _probe(model, base_model, method.tx)
-  # Bandwidth term only: at these tiny sizes latency would dominate, and it
-  # depends on how many collectives XLA fuses, which the ledger cannot see.
-  network = NetworkModel(1e9, 0.0, cfg.num_sites, "ring")
   history, errors, ranks = [], [], []
   t0 = time.perf_counter()
   for t in range(cfg.steps):
@@ -151,18 +211,27 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
           "test_accuracy": evaluate(step, state, dataset.x_test, dataset.y_test)["accuracy"],
           "total_bits": 0 if pooled else comm_stats(state.opt_state).total,
       })
-  summary = None if pooled else comm_stats(state.opt_state)
-  return {
+  wall = time.perf_counter() - t0
+  row = {
       "method": spec,
       "history": history,
       "test_accuracy": history[-1]["test_accuracy"],
-      "bits_per_step": summary.bits_per_step if summary else 0,
-      "dense_bits_per_step": summary.dense_bits_per_step if summary else 0,
-      "comm_s": network.step_time(summary) if summary else 0.0,
       "grad_error": float(np.mean(errors)) if errors else 0.0,
       "effective_rank": float(np.mean(ranks)) if ranks else None,
-      "wall_s": time.perf_counter() - t0,
+      "wall_s": wall,
+      "report": None,
   }
+  reached = next((h["step"] for h in history if h["test_accuracy"] >= task.target), None)
+  row["steps_to_target"] = reached
+  if not pooled:
+    summary = comm_stats(state.opt_state)
+    ops, source = compiled_ops(task, model, optimizer, dataset, summary)
+    network = NetworkModel(BANDWIDTH, LATENCY_S, cfg.num_sites, "ring")
+    row["report"] = network.report(summary, ops)
+    row["report"]["fp32_time_s"] = network.baseline_time(summary, 32, ops["reduce"] or 1)
+    row["report"]["bf16_time_s"] = network.baseline_time(summary, 16, ops["reduce"] or 1)
+    row["ops"], row["ops_source"] = ops, source
+  return row
 
 
 def run_task(task: Task, methods=None, log=print) -> list[dict]:
@@ -172,28 +241,73 @@ def run_task(task: Task, methods=None, log=print) -> list[dict]:
   rows = []
   for spec in methods or task.methods:
     row = run_method(task, spec, dataset, batcher, plain.model)
-    log(f"  {task.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  "
-        f"bits/step {row['bits_per_step']:>9,}  grad err {row['grad_error']:.2e}  "
-        f"({row['wall_s']:.1f}s)")
+    rep = row["report"]
+    comm = (f"payload {rep['payload_bits']:>9,}  wire {rep['wire_bits']:>11,.0f}  "
+            f"vs fp32 {rep['wire_ratio']:.2f}x  ops {row['ops']}" if rep else "no communication")
+    log(f"  {task.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  {comm}  "
+        f"grad err {row['grad_error']:.2e}  ({row['wall_s']:.1f}s)")
     rows.append(row)
   return rows
 
 
+def _ratio(x: float) -> str:
+  return f"{x:.2f}x" + (" (more)" if x < 1 else "")
+
+
 def format_table(task: Task, rows: list[dict]) -> str:
+  """The task's markdown table: per site and optimizer step, then to the target accuracy."""
   cfg = task.config
-  lines = [f"### {task.name}: {cfg.model} on {cfg.dataset}, {cfg.num_sites} sites "
-           f"({cfg.partition}), {cfg.batch_per_site} rows/site, {cfg.steps} steps",
+  n = cfg.num_sites
+  target = f"{task.target:g}"
+  lines = [f"### {task.name}: {cfg.model} on {cfg.dataset}, {n} sites "
+           f"({cfg.partition}), {cfg.batch_per_site} rows/site, {cfg.steps} steps; "
+           f"target test accuracy {target}",
            "",
-           "| method | test acc | bits/step/site | vs fp32 | ring transfer/step @1Gb/s (ms) "
-           "| grad rel. error | eff. rank |",
-           "|---|---|---|---|---|---|---|"]
+           f"| method | test acc | payload bits/step/site | wire bits/step/site (ring, N={n}) "
+           f"| wire ratio vs fp32 | vs bf16 | collective ops/step (reduce, gather) "
+           f"| modeled comm/step (ms) | steps to {target} | wire bits to {target} "
+           f"| modeled comm to {target} (ms) | grad rel. error | eff. rank |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  more_fp32, more_bf16, sources = [], [], set()
+  base_row = next((r for r in rows if r["method"] == "allreduce"),
+                  next((r for r in rows if r["report"] is not None), None))
+  base = base_row["report"] if base_row else None
   for r in rows:
-    ratio = (f"{r['dense_bits_per_step'] / r['bits_per_step']:.2f}x" if r["bits_per_step"]
-             else "-")
     rank = f"{r['effective_rank']:.2f}" if r["effective_rank"] is not None else "-"
-    err = "0 (reference)" if r["method"] == "pooled" else f"{r['grad_error']:.1e}"
-    lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | {r['bits_per_step']:,} | {ratio} | "
-                 f"{1e3 * r['comm_s']:.3f} | {err} | {rank} |")
+    reached = r["steps_to_target"]
+    steps_to = f"{reached}" if reached else "not reached"
+    rep = r["report"]
+    if rep is None:  # pooled: one site, nothing on the wire
+      lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | 0 | 0 | - | - | - | 0 | "
+                   f"{steps_to} | 0 | 0 | 0 (reference) | {rank} |")
+      continue
+    sources.add(r["ops_source"])
+    if rep["wire_ratio"] < 1:
+      more_fp32.append(r["method"])
+    if rep["wire_ratio_bf16"] < 1:
+      more_bf16.append(r["method"])
+    ops = f"{r['ops']['reduce']}, {r['ops']['gather']}"
+    bits_to = f"{reached * rep['wire_bits']:.3g}" if reached else "-"
+    time_to = f"{1e3 * reached * rep['time_s']:.1f}" if reached else "-"
+    lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | {rep['payload_bits']:,} | "
+                 f"{rep['wire_bits']:,.0f} | {_ratio(rep['wire_ratio'])} | "
+                 f"{_ratio(rep['wire_ratio_bf16'])} | {ops} | {1e3 * rep['time_s']:.3f} | "
+                 f"{steps_to} | {bits_to} | {time_to} | {r['grad_error']:.1e} | {rank} |")
+  lines.append("")
+  if base is not None:
+    lines.append(
+        f"Baselines for these tensors (ring, N={n}, {BANDWIDTH / 1e9:g} Gbit/s, "
+        f"{LATENCY_S * 1e6:g} us per message): an fp32 all-reduce puts "
+        f"{base['fp32_wire_bits']:,.0f} wire bits/site on the ring per step, a bf16 all-reduce "
+        f"{base['bf16_wire_bits']:,.0f}; with the all-reduce op count of `{base_row['method']}` "
+        f"they "
+        f"would take {1e3 * base['fp32_time_s']:.3f} ms and {1e3 * base['bf16_time_s']:.3f} ms "
+        f"per step. \"(more)\": the method puts more bits on the wire than that baseline.")
+    lines.append("")
+    lines.append("More wire bits than an fp32 all-reduce: "
+                 + (", ".join(f"`{m}`" for m in more_fp32) or "none") + ". More than a bf16 "
+                 "all-reduce: " + (", ".join(f"`{m}`" for m in more_bf16) or "none") + ".")
+    lines.append(f"Collective ops from: {', '.join(sorted(sources))}.")
   return "\n".join(lines)
 
 
@@ -209,17 +323,19 @@ def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
       left.axhline(r["test_accuracy"], color="k", ls=":", lw=1, label="pooled (final)")
       continue
     style = "-" if ("dad" in r["method"]) else "--"
-    left.plot([h["total_bits"] for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
+    wire = r["report"]["wire_bits"]
+    left.plot([h["step"] * wire for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
               style, marker="o", ms=3, label=r["method"], color=color)
-    right.scatter(r["bits_per_step"], max(r["grad_error"], 1e-8), label=r["method"],
+    right.scatter(wire, max(r["grad_error"], 1e-8), label=r["method"],
                   marker="o" if "dad" in r["method"] else "s", color=color)
+  left.axhline(task.target, color="grey", ls="--", lw=0.8, label=f"target {task.target:g}")
   left.set_xscale("log")
-  left.set_xlabel("cumulative bits sent per site")
+  left.set_xlabel(f"cumulative wire bits per site (ring, N={task.config.num_sites})")
   left.set_ylabel("test accuracy")
   left.legend(fontsize=7, ncol=2)
   right.set_xscale("log")
   right.set_yscale("log")
-  right.set_xlabel("bits per step per site")
+  right.set_xlabel(f"wire bits per step per site (ring, N={task.config.num_sites})")
   right.set_ylabel("relative gradient error vs exact")
   right.legend(fontsize=7, ncol=2)
   fig.suptitle(f"{task.name}: {task.config.model}, {task.config.num_sites} sites")

@@ -24,6 +24,8 @@ def test_dad_experiment_runs(tmp_path):
   table = (tmp_path / "dad.md").read_text()
   for method in ("allreduce", "dad", "rank_dad:2", "powersgd:2"):
     assert f"| {method} |" in table
+  assert "| wire bits/step/site (ring, N=8) | wire ratio vs fp32 | vs bf16 |" in table
+  assert "steps to 0.95" in table and "More wire bits than an fp32 all-reduce:" in table
 
 
 @pytest.mark.slow
@@ -31,9 +33,10 @@ def test_compressor_benchmark_runs(tmp_path):
   out = tmp_path / "bench.md"
   _run(["experiments/bench_compressors.py", "--host-devices", "2", "--sites", "2", "--batch", "4",
         "--width", "8", "--steps", "2", "--warmup", "1", "--methods", "topk:0.01,powersgd:4",
-        "--markdown", str(out)], tmp_path)
+        "--wire-sites", "8", "--markdown", str(out)], tmp_path)
   text = out.read_text()
   assert "topk:0.01" in text and "powersgd:4" in text
+  assert "| wire bits/step/site (ring, N=8) | wire ratio vs fp32 | vs bf16 |" in text
 
 
 @pytest.mark.slow
