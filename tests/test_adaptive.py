@@ -320,6 +320,7 @@ def test_shard_map_decisions_equal_on_all_sites_and_ledger_is_the_chosen_branch(
   assert seen_low and seen_high  # both settings ran in this run
 
 
+@pytest.mark.slow  # the shard_map test above pins decisions and ledger; this one is long
 def test_vmap_simulation_equals_shard_map():
   low, high = C.powersgd(2), C.get_compressor("ef_topk:0.1")
   sched = optax.piecewise_constant_schedule(0.05, {2: 0.5})

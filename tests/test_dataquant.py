@@ -179,7 +179,7 @@ def test_sample_gate_probabilities_and_reweighting():
 
 # ---- the stage --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("weighted", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_quantization_open_gate_equals_allreduce(weighted):
   params, batch = make_data(0, weighted)
   result, state, traffic = run_sites(DQ.dataquant(None), params, batch)
@@ -376,6 +376,7 @@ def test_compiled_all_gather_moves_the_padded_payload(kwargs):
   np.testing.assert_array_equal(new_state.sent_rows, vstate.sent_rows)
 
 
+@pytest.mark.slow  # shard_map == vmap is in the default run; pmap is the same site program
 def test_pmap_matches_vmap():
   params, batch = make_data(9)
   stage = DQ.dataquant(2, gate=0.5, gate_mode="sample", correction="ef_scaled_sign",
