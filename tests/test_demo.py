@@ -1,6 +1,7 @@
 """The main job: `dadjax demo` prints and writes the comparison table."""
 from dadjax import cli
 from dadjax.demo import DEFAULT_METHODS
+from dadjax.registry import split_specs
 
 
 def test_demo_covers_compressors_and_dad():
@@ -16,7 +17,7 @@ def test_demo_table_and_plot(tmp_path, capsys):
   table = (tmp_path / "table.md").read_text()
   assert (tmp_path / "accuracy_vs_bits.png").stat().st_size > 10_000
   rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:] if line.startswith("|")}
-  assert set(rows) == set(methods.split(","))
+  assert set(rows) == set(split_specs(methods))
   assert "| 1.0x |" in rows["allreduce"]
   # Every compressed / factored method sends fewer bits than fp32.
   bits = {m: int(r.split("|")[4].strip().replace(",", "")) for m, r in rows.items()}
