@@ -95,7 +95,10 @@ def _params():
     ("sign", "gather"), ("powersgd:2", "reduce"), ("randomk:0.25", "reduce"),
 ])
 def test_compiled_collectives_move_the_ledger_bits(spec, kind):
-  _run_update(_params(), C.compressed(C.get_compressor(spec), axis_name="data"), kind)
+  # _run_update asserts compiled operand bytes == ledger bits and op count == what is charged.
+  ops = _run_update(_params(), C.compressed(C.get_compressor(spec), axis_name="data"), kind)
+  other = "reduce" if kind == "gather" else "gather"
+  assert ops.count[kind] >= 1 and ops.nbytes[other] == 0  # one kind of collective, as declared
 
 
 def _resnet_params():
