@@ -42,6 +42,9 @@ class Config:
       ``num_sites x per_site`` devices (``backend="shard_map"`` only): the
       method communicates between sites, each site averages exactly over
       its devices, and ``batch_per_site`` rows split over them.
+    shard_params: with ``per_site > 1``, split each site's parameters and
+      optimizer state over its devices (FSDP-style; only for the methods
+      that support it, see :func:`dadjax.make_train_step`). Default ``False``.
     backend: ``"shard_map"``, ``"pmap"`` or ``"vmap"``.
     partition: ``"iid"``, ``"by_class"`` or ``"dirichlet"``.
     alpha: Dirichlet concentration for ``partition="dirichlet"``.
@@ -73,6 +76,7 @@ class Config:
   method: str = "allreduce"
   num_sites: int = 8
   per_site: int = 1
+  shard_params: bool = False
   backend: str = "shard_map"
   partition: str = "iid"
   alpha: float = 0.5
@@ -119,6 +123,9 @@ class Config:
     if self.per_site > 1 and self.backend != "shard_map":
       raise ConfigError(f"config.per_site={self.per_site} needs backend='shard_map' (a 2-D "
                         f"mesh); backend={self.backend!r} runs one device per site")
+    if self.shard_params and self.per_site < 2:
+      raise ConfigError(f"config.shard_params=True splits parameters over the devices of a site: "
+                        f"it needs config.per_site >= 2, got {self.per_site}")
     if self.batch_per_site % self.per_site:
       raise ConfigError(f"config.batch_per_site={self.batch_per_site} must be a multiple of "
                         f"config.per_site={self.per_site} (each device of a site takes an "

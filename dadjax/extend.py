@@ -9,7 +9,10 @@
   :func:`bits_from_count`, :func:`bits_zero`, :func:`bits_to_int`,
   :func:`host_array`, :func:`tree_bits`.
 - **Metered collectives**: :func:`metered_psum`, :func:`metered_pmean`,
-  :func:`metered_all_gather` return ``(result, Traffic)``;
+  :func:`metered_all_gather`, and for parameters sharded within a site
+  :func:`metered_gather_shards` / :func:`metered_mean_scatter`, return
+  ``(result, Traffic)``; a method that needs whole tensors calls
+  :func:`require_whole_leaves` (it refuses under ``shard_params=True``);
   :class:`Traffic`, :data:`NO_TRAFFIC`, :func:`traffic_add`. Every new
   collective goes through them, so the ledger counts what was sent.
 - **Sites**: :func:`axis_size`, :func:`site_index`, :func:`sum_over_sites`,
@@ -30,6 +33,7 @@
   :func:`current_state`.
 """
 
+from dadjax._shards import require_whole_leaves, shard_axes
 from dadjax.comm import (
     FP32_BITS,
     NO_TRAFFIC,
@@ -50,6 +54,8 @@ from dadjax.comm import (
     ledger_record,
     mean_over_sites,
     metered_all_gather,
+    metered_gather_shards,
+    metered_mean_scatter,
     metered_pmean,
     metered_psum,
     site_index,
@@ -97,7 +103,8 @@ __all__ = [
     "Bits", "bits_add", "bits_const", "bits_from_count", "bits_reduce", "bits_sum", "bits_to_int",
     "bits_zero", "host_array", "tree_bits",
     # metered collectives
-    "Traffic", "NO_TRAFFIC", "metered_all_gather", "metered_pmean", "metered_psum", "traffic_add",
+    "Traffic", "NO_TRAFFIC", "metered_all_gather", "metered_gather_shards", "metered_mean_scatter",
+    "metered_pmean", "metered_psum", "traffic_add", "require_whole_leaves", "shard_axes",
     # sites
     "axis_size", "gather_sites", "mean_over_sites", "site_index", "sum_over_sites",
     # the ledger

@@ -141,7 +141,8 @@ def build(config: Config):
   model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
   comm_tx = method.tx if method.tx is not None else optax.identity()
   if config.per_site > 1:
-    placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site)}
+    placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site),
+                 "shard_params": config.shard_params}
   else:
     placement = {"num_sites": config.num_sites}
   step_fn = make_train_step(model, make_optimizer(config, comm_tx), **placement,

@@ -1,9 +1,10 @@
 """One process of the 2-process test: 4 CPU devices each, gloo collectives.
 
-Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [flat|sites]
+Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [flat|sites|sharded]
 Trains the test model for a few steps over all 8 global devices and writes
 the parameters (from process 0) to OUT.npz. ``flat``: a 1-D mesh of 8 sites;
-``sites``: a 2-D mesh where each process is one site of its 4 devices.
+``sites``: a 2-D mesh where each process is one site of its 4 devices;
+``sharded``: the same with each site's parameters sharded over its devices.
 """
 import os
 import sys
@@ -24,12 +25,12 @@ def main():
   dadjax.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   model, tx, batches = make_problem()
-  if layout == "sites":  # one site per process: its 4 local devices
+  if layout in ("sites", "sharded"):  # one site per process: its 4 local devices
     mesh = dadjax.make_mesh(sites=2, per_site=4)
     assert {d.process_index for d in mesh.devices[process_id]} == {process_id}
   else:
     mesh = None  # a 1-D mesh over all 8 global devices
-  ts = dadjax.make_train_step(model, tx, mesh=mesh)
+  ts = dadjax.make_train_step(model, tx, mesh=mesh, shard_params=layout == "sharded")
   state = ts.init(jax.random.key(0), batches[0]["x"][:2])
   for batch in batches[:STEPS]:
     state, _ = ts(state, batch)

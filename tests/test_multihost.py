@@ -42,9 +42,9 @@ def _run_workers(out, layout="flat"):
   return np.load(out)
 
 
-def _train_here(mesh):
+def _train_here(mesh, shard_params=False):
   model, tx, batches = make_problem()
-  ts = dadjax.make_train_step(model, tx, mesh=mesh)
+  ts = dadjax.make_train_step(model, tx, mesh=mesh, shard_params=shard_params)
   state = ts.init(jax.random.key(0), batches[0]["x"][:2])
   for batch in batches[:STEPS]:
     state, _ = ts(state, batch)
@@ -66,13 +66,21 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
 
 
 @pytest.mark.multihost
-def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path):
-  got = _run_workers(tmp_path / "params.npz", layout="sites")
+@pytest.mark.parametrize("layout", ["sites", "sharded"])
+def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path, layout):
+  # "sharded": each site's parameters are split over its 4 devices (shard_params=True)
+  got = _run_workers(tmp_path / "params.npz", layout=layout)
   ts, state = _train_here(dadjax.make_mesh(sites=2, per_site=4))
   pooled_ts, pooled = _train_here(dadjax.make_mesh(1))  # one site holds every row
   for i, (leaf, ref) in enumerate(zip(jax.tree.leaves(ts.params(state)),
                                       jax.tree.leaves(pooled_ts.params(pooled)))):
     np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6)
-  assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
-  assert int(got["intra_bits"]) == dadjax.comm_stats(state).intra_bits_per_step > 0
+  if layout == "sites":
+    assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
+    assert int(got["intra_bits"]) == dadjax.comm_stats(state).intra_bits_per_step > 0
+  else:  # a device exchanges its slice: the kernels' bits are split over the site's 4 devices
+    _, sharded = _train_here(dadjax.make_mesh(sites=2, per_site=4), shard_params=True)
+    assert int(got["total_bits"]) == dadjax.comm_stats(sharded.opt_state).total
+    assert int(got["total_bits"]) < dadjax.comm_stats(state.opt_state).total
+    assert int(got["intra_bits"]) == dadjax.comm_stats(sharded).intra_bits_per_step > 0

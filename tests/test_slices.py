@@ -185,3 +185,123 @@ def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
   assert row["intra_bits_per_step"] == summary.intra_bits_per_step > 0
   assert row["modeled_intra_comm_s_per_step"] > 0
   assert row["modeled_comm_s_per_step"] > row["modeled_intra_comm_s_per_step"]
+
+
+# --- Parameters sharded within a site (FSDP) ---------------------------------------------------
+
+
+def _sharded_pair(spec, shape, opt=None, steps=2):
+  """The same run with the site's parameters sharded over its devices, and replicated."""
+  mesh = dadjax.make_mesh(sites=shape[0], per_site=shape[1])
+  runs = []
+  for shard in (True, False):
+    method = build_method(spec)
+    model = MLP(hidden=(16,), num_classes=5, **({"dense": method.dense} if method.dense else {}))
+    tx = optax.chain(method.tx, opt() if opt else optax.sgd(0.1, momentum=0.9))
+    ts = dadjax.make_train_step(model, tx, mesh=mesh, shard_params=shard)
+    state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
+    for i in range(steps):
+      state, metrics = ts(state, _batch(i))
+    runs.append((ts, state, metrics))
+  return runs
+
+
+def _local_shape(x):
+  return x.addressable_shards[0].data.shape
+
+
+def test_shard_dims_split_the_largest_divisible_dimension():
+  params = {"kernel": np.zeros((12, 16)), "bias": np.zeros((5,)), "scalar": np.zeros(()),
+            "square": np.zeros((8, 8)), "odd": np.zeros((3, 6))}
+  assert dadjax.parallel.shard_dims(params, 4) == {
+      "kernel": 1, "bias": None, "scalar": None, "square": 0, "odd": None}
+  assert dadjax.parallel.shard_dims(params, 2)["odd"] == 1
+  assert dadjax.parallel.shard_dims(params, 1)["kernel"] is None
+
+
+@pytest.mark.parametrize("spec,shape,opt", [
+    ("allreduce", (2, 4), None), ("allreduce", (4, 2), lambda: optax.adam(1e-2)),
+    ("bf16", (2, 4), None), ("ef(sign)", (2, 4), None), ("dad", (2, 4), None),
+    ("rank_dad:2", (4, 2), None),
+])
+def test_sharded_params_train_like_replicated_params(spec, shape, opt):
+  (ts, state, metrics), (ref_ts, ref_state, ref_metrics) = _sharded_pair(spec, shape, opt)
+  sites, per_site = shape
+  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-6, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(metrics["loss"]), np.asarray(ref_metrics["loss"]),
+                             rtol=1e-5)
+  # Stored sharded: a device holds 1/per_site of each kernel, and of the optimizer's copy of it.
+  dims = dadjax.parallel.shard_dims(ts.params(state), per_site)
+  kernel = state.params["hidden_0"]["kernel"]
+  assert _local_shape(kernel)[1 + dims["hidden_0"]["kernel"]] * per_site == kernel.shape[
+      1 + dims["hidden_0"]["kernel"]]
+  mirrored = [x for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+              if p and p[-2:] == (jax.tree_util.DictKey("hidden_0"), jax.tree_util.DictKey("kernel"))]
+  assert mirrored and all(_local_shape(x) == _local_shape(kernel) for x in mirrored)
+  ref_kernel = ref_state.params["hidden_0"]["kernel"]
+  assert _local_shape(ref_kernel) == (1,) + ref_kernel.shape[1:]  # replicated: the whole kernel
+  # Ledger, per device: a sharded leaf's exchange carries its slice, a whole leaf all of it.
+  got, ref = dadjax.comm_stats(state), dadjax.comm_stats(ref_state)
+  if spec in ("allreduce", "bf16"):
+    width = 32 if spec == "allreduce" else 16
+    params = ts.params(state)
+    entries = sum(np.size(x) // (per_site if d is not None else 1) for x, d in zip(
+        jax.tree.leaves(params), jax.tree.structure(params).flatten_up_to(dims)))
+    assert got.reduce_bits == (width * entries + 64,) * sites  # + the metrics' pmean
+    assert ref.reduce_bits == (width * sum(np.size(x) for x in jax.tree.leaves(
+        ts.params(state))) + 64,) * sites
+  # In-site: the slices' all-gather + the gradients' reduce-scatter replace the all-reduce.
+  assert got.intra_gather_bits[0] > 0 and ref.intra_gather_bits[0] == 0
+  assert got.intra_reduce_bits[0] < ref.intra_reduce_bits[0]
+
+
+def test_sharded_params_hlo_and_ledger_agree():
+  (ts, state, _), _ = _sharded_pair("allreduce", (2, 4), steps=1)
+  ops = ts.collectives(state, _batch(0), link="intra")
+  assert ops.count["gather"] > 0 and ops.count["reduce_scatter"] > 0
+  summary = dadjax.comm_stats(state)
+  # A reduce-scatter of B operand bits is booked as the all-gather of its B/4 output slice.
+  assert summary.intra_gather_bits[0] == ops.bits("gather") + ops.bits("reduce_scatter") // 4
+  assert summary.intra_reduce_bits[0] == ops.bits("reduce")
+  inter = ts.collectives(state, _batch(0), link="inter")
+  assert inter.bits("reduce") == summary.bits_per_step
+  assert ts.collectives(state, _batch(0)).count["reduce_scatter"] == ops.count["reduce_scatter"]
+
+
+@pytest.mark.parametrize("spec,name", [
+    ("topk:0.25", "topk"), ("powersgd:2", "powersgd"), ("qsgd:8", "qsgd"),
+    ("randomk:0.25", "randomk"), ("ef_scaled_sign", "ef_scaled_sign"),
+    ("accordion(topk:0.5,topk:0.25)", "accordion"),
+])
+def test_methods_that_need_whole_tensors_refuse_sharded_params(spec, name):
+  mesh = dadjax.make_mesh(sites=2, per_site=4)
+  method = build_method(spec, steps_per_epoch=4) if spec.startswith("accordion") else build_method(
+      spec)
+  ts = dadjax.make_train_step(MLP(hidden=(16,), num_classes=5),
+                              optax.chain(method.tx, optax.sgd(0.1)), mesh=mesh, shard_params=True)
+  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
+  before = ts.params(state)
+  with pytest.raises(ValueError, match=rf"^{name} needs each parameter's whole tensor.*"
+                                       r"shard_params=True.*Methods that support"):
+    ts(state, _batch(0))
+  chex.assert_trees_all_equal(ts.params(state), before)  # nothing ran, nothing was lost
+
+
+def test_shard_params_argument_errors():
+  model = MLP(hidden=(16,), num_classes=5)
+  tx = build_method("allreduce").tx
+  with pytest.raises(ValueError, match="needs backend='shard_map' and a 2-D mesh"):
+    dadjax.make_train_step(model, tx, mesh=dadjax.make_mesh(4), shard_params=True)
+  with pytest.raises(ValueError, match="needs backend='shard_map' and a 2-D mesh"):
+    dadjax.make_train_step(model, tx, backend="vmap", num_sites=2, shard_params=True)
+  with pytest.raises(ValueError, match="shard_params must be a bool"):
+    dadjax.make_train_step(model, tx, mesh=dadjax.make_mesh(sites=2, per_site=4),
+                           shard_params="yes")
+  stage = build_method("dataquant:4").batch_stage
+  with pytest.raises(ValueError, match="does not support a batch_stage"):
+    dadjax.make_train_step(model, optax.sgd(0.1), mesh=dadjax.make_mesh(sites=2, per_site=4),
+                           shard_params=True, batch_stage=stage)
+  from dadjax.config import Config
+  from dadjax.errors import ConfigError
+  with pytest.raises(ConfigError, match="shard_params=True .* needs config.per_site >= 2"):
+    Config(num_sites=2, shard_params=True)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._shards import require_whole_leaves
 from dadjax._tree_utils import path_names
 from dadjax.adaptive import _vary
 from dadjax.adaptive._detector import (
@@ -160,6 +161,7 @@ def accordion(
                           ledger_init())
 
   def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
+    require_whole_leaves("accordion")  # its decisions read per-tensor gradient norms
     del params, extra
     leaves, treedef = jax.tree.flatten(updates)
     detector = state.detector

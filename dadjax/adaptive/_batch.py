@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._shards import require_whole_leaves
 from dadjax._tree_utils import tree_add, tree_zeros_like
 from dadjax.adaptive import _vary
 from dadjax.adaptive._detector import (
@@ -153,6 +154,7 @@ def accordion_batch(
                                jnp.float32(-1.0), ledger_init())
 
   def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
+    require_whole_leaves("accordion_batch")  # its decisions read per-tensor gradient norms
     detector = state.detector
     lr = state.lr
     if lr_schedule is not None:

@@ -56,6 +56,8 @@ from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,
     metered_all_gather,
+    metered_gather_shards,
+    metered_mean_scatter,
     metered_pmean,
     metered_psum,
     traffic_add,

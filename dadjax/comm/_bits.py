@@ -80,10 +80,24 @@ def bits_from_count(count: jax.Array, bits_per_item: int) -> Bits:
 
 
 def host_array(x) -> np.ndarray:
-  """A numpy copy of ``x``; for a multi-host array, of this process's part."""
+  """A numpy copy of ``x``; for a multi-host array, of this process's part.
+
+  This process's part is the smallest box holding its addressable shards
+  (e.g. its sites' rows of a site-stacked array, with every in-site slice
+  put back in place when parameters are sharded within a site).
+  """
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    shards = sorted(x.addressable_shards, key=lambda s: [i.start or 0 for i in s.index])
-    return np.concatenate([np.asarray(s.data) for s in shards]) if x.ndim else np.asarray(shards[0].data)
+    shards = x.addressable_shards
+    if not x.ndim:
+      return np.asarray(shards[0].data)
+    bounds = [[(s.index[d].start or 0, x.shape[d] if s.index[d].stop is None else s.index[d].stop)
+               for s in shards] for d in range(x.ndim)]
+    low = [min(a for a, _ in dim) for dim in bounds]
+    out = np.empty([max(b for _, b in dim) - lo for dim, lo in zip(bounds, low)], x.dtype)
+    for i, s in enumerate(shards):
+      out[tuple(slice(bounds[d][i][0] - low[d], bounds[d][i][1] - low[d])
+                for d in range(x.ndim))] = np.asarray(s.data)
+    return out
   return np.asarray(jax.device_get(x))
 
 

@@ -86,3 +86,58 @@ def metered_all_gather(tree: Any, axis_name: str | None, *,
   from dadjax.comm._collectives import gather_sites  # pylint: disable=g-import-not-at-top
   out = gather_sites(tree, axis_name, invariant=invariant)
   return out, Traffic(gather=tree_nbits(tree), gather_calls=_calls(tree))
+
+
+def _on_dims(fn, tree: Any, dims: Any) -> tuple[Any, list, list]:
+  """``fn(x, d)`` on leaves with an int ``d`` (the others pass through).
+
+  Returns the new tree, and the inputs and outputs of ``fn``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  pairs = list(zip(leaves, treedef.flatten_up_to(dims)))
+  out = [x if d is None else fn(x, d) for x, d in pairs]
+  ins = [x for x, d in pairs if d is not None]
+  outs = [y for y, (_, d) in zip(out, pairs) if d is not None]
+  return jax.tree.unflatten(treedef, out), ins, outs
+
+
+def metered_gather_shards(tree: Any, axis_name, dims: Any) -> tuple[Any, Traffic]:
+  """Reassemble sharded leaves: a tiled all-gather of each along its dimension ``d``.
+
+  Args:
+    tree: this device's slices.
+    axis_name: the axis (or axes) the leaves are sharded over.
+    dims: a tree with ``tree``'s structure of ``int`` (the sharded
+      dimension) or ``None`` (a whole leaf, left as is and not counted).
+
+  Returns:
+    The whole leaves and the traffic: the slices' bits as all-gather payload.
+  """
+  out, slices, _ = _on_dims(
+      lambda x, d: jax.lax.all_gather(x, axis_name, axis=d, tiled=True), tree, dims)
+  return out, Traffic(gather=tree_nbits(slices), gather_calls=_calls(slices))
+
+
+def metered_mean_scatter(tree: Any, axis_name, dims: Any) -> tuple[Any, Traffic]:
+  """Mean over ``axis_name``, each device keeping its slice along ``d`` (reduce-scatter).
+
+  The inverse layout of :func:`metered_gather_shards`: leaves with an int
+  ``d`` are summed over the axis and split along ``d`` (``psum_scatter``,
+  tiled), then divided by the axis size. Leaves with ``None`` are left as
+  is and not counted. Booking: on a ring of N devices a reduce-scatter of B
+  bits moves ``(N-1)/N * B`` per device, exactly what an all-gather of the
+  ``B/N``-bit slice moves, so it is booked as *gather* traffic of the
+  output slice (then :func:`~dadjax.comm.wire_bits` charges its true ring
+  cost; the compiled op is a ``reduce-scatter`` of ``B`` operand bits).
+
+  Returns:
+    The slices of the mean and the traffic.
+  """
+  size = jax.lax.psum(1, axis_name)
+
+  def mean_slice(x, d):
+    return (jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
+            / size).astype(x.dtype)
+
+  out, _, slices = _on_dims(mean_slice, tree, dims)
+  return out, Traffic(gather=tree_nbits(slices), gather_calls=_calls(slices))

@@ -133,6 +133,12 @@ class Compressor(NamedTuple):
       memory of its own (PowerSGD with ``error_feedback=True``, or anything
       :func:`~dadjax.compress.error_feedback` returned); wrapping it in
       ``error_feedback`` again then returns it unchanged.
+    name: the method's name (error messages and key separation).
+    elementwise: ``True`` when each entry's result depends on that entry
+      alone (no selection, norm or scale over a tensor, no per-entry random
+      draw tied to the tensor's size): the compressor then runs unchanged on
+      parameters sharded within a site (``make_train_step(...,
+      shard_params=True)``); other compressors refuse there.
   """
 
   init: Callable[[Any], Any]
@@ -143,6 +149,8 @@ class Compressor(NamedTuple):
   aggregate: Callable[[Any, Any, Any], Any] | None = None
   exchange: Callable[[Any, Any, Any, str | None], Exchanged] | None = None
   memory: bool = False
+  name: str = ""
+  elementwise: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -207,6 +215,7 @@ def leafwise(
     aggregate_leaf: Callable[[Any, Any, Keys], jax.Array] | None = None,
     *,
     name: str = "",
+    elementwise: bool = False,
 ) -> Compressor:
   """A stateless compressor applied to each leaf separately.
 
@@ -226,6 +235,7 @@ def leafwise(
     aggregate_leaf: ``(gathered leaf payload, like_leaf, keys) -> x`` or
       ``None`` (mean of decompressions).
     name: the method's name, folded into the keys.
+    elementwise: the compressor's ``elementwise`` flag (see :class:`Compressor`).
 
   Returns:
     A :class:`Compressor`.
@@ -265,7 +275,7 @@ def leafwise(
 
   aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
   return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
-                    aggregate)
+                    aggregate, name=name, elementwise=elementwise)
 
 
 def check_ratio(name: str, value) -> float:

@@ -62,7 +62,8 @@ def cast(dtype="bf16") -> Compressor:
     del key
     return payload.astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "reduce", name=f"cast_{wire.name}")
+  return leafwise(compress_leaf, decompress_leaf, "reduce", name=f"cast_{wire.name}",
+                  elementwise=True)
 
 
 @register_compressor("identity", aliases=("fp32",))

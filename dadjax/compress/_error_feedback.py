@@ -88,4 +88,6 @@ def error_feedback(compressor: Compressor) -> Compressor:
       aggregate=compressor.aggregate,
       exchange=exchange_fn,
       memory=True,
+      name=f"ef_{compressor.name}" if compressor.name else "error_feedback",
+      elementwise=compressor.elementwise,  # the memory update is elementwise
   )

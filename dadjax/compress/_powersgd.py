@@ -239,4 +239,4 @@ def powersgd(
     return run(grads, state, key, axis_name)[0]
 
   return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn,
-                    memory=error_feedback)
+                    memory=error_feedback, name="powersgd")

@@ -188,7 +188,8 @@ def sign() -> Compressor:
                         axis=0, dtype=jnp.int32)
     return jnp.sign(n - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign")
+  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
+                  elementwise=True)
 
 
 @register_compressor("scaled_sign")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._shards import require_whole_leaves
 from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
 from dadjax.compress._base import Compressor, exchange, step_keys
@@ -83,6 +84,8 @@ def compressed(
 
   def update_fn(updates, state, params=None):
     del params
+    if not compressor.elementwise:
+      require_whole_leaves(compressor.name or "this compressor")
     specs.check(updates)
     check_float_leaves(updates, "compressed")
     keys = step_keys(seed, state.count, axis_name)

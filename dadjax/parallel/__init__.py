@@ -22,6 +22,7 @@ from dadjax.parallel._step import (
     keep_unused_state,
     local_gradients,
     make_train_step,
+    shard_dims,
     site_keys,
     softmax_cross_entropy,
     stack_sites,
@@ -30,6 +31,7 @@ from dadjax.parallel._step import (
 
 __all__ = [
     "make_train_step",
+    "shard_dims",
     "TrainStep",
     "TrainState",
     "BACKENDS",

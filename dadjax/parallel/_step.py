@@ -77,6 +77,7 @@ the stage replaces), so compression ratios compare like with like.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -87,6 +88,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dadjax._shards import sharded_parameters
 from dadjax._tree_utils import tree_nbits
 from dadjax.comm import (
     CommStats,
@@ -96,6 +98,8 @@ from dadjax.comm import (
     is_varying,
     ledger_init,
     ledger_record,
+    metered_gather_shards,
+    metered_mean_scatter,
     metered_pmean,
     site_index,
     traffic_add,
@@ -164,6 +168,76 @@ def unstack_site(tree: Any, site: int = 0) -> Any:
   return jax.tree.map(lambda x: host_array(x)[site], tree)
 
 
+def unstack_shapes(tree: Any) -> Any:
+  """``ShapeDtypeStruct`` of one site's copy of a site-stacked tree."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), tree)
+
+
+def shard_dims(params: Any, per_site: int) -> Any:
+  """Which dimension of each parameter is split over the devices of a site (FSDP).
+
+  A parameter is split along its largest dimension that ``per_site``
+  divides (the first of equal ones), so each device holds ``1 / per_site``
+  of it; a parameter with no such dimension (a scalar, a bias of odd size)
+  stays whole on every device of the site.
+
+  Args:
+    params: one site's parameters (arrays or ``ShapeDtypeStruct``).
+    per_site: devices per site.
+
+  Returns:
+    A tree like ``params`` of ``int`` (the dimension) or ``None`` (whole).
+  """
+
+  def dim(x):
+    shape = tuple(x.shape)
+    fits = [i for i, n in enumerate(shape) if n >= per_site and n % per_site == 0]
+    return max(fits, key=lambda i: (shape[i], -i)) if fits and per_site > 1 else None
+
+  return jax.tree.map(dim, params)
+
+
+def _average_in_site(grads: Any, inner, dims: Any):
+  """Exact mean over the in-site axes: slices of it for sharded leaves, whole otherwise."""
+  if dims is None:
+    return metered_pmean(grads, inner)
+  grads, scatter = metered_mean_scatter(grads, inner, dims)
+  leaves, treedef = jax.tree.flatten(grads)
+  whole = [i for i, d in enumerate(treedef.flatten_up_to(dims)) if d is None]
+  means, reduce = metered_pmean([leaves[i] for i in whole], inner)
+  for i, mean in zip(whole, means):
+    leaves[i] = mean
+  return jax.tree.unflatten(treedef, leaves), traffic_add(scatter, reduce)
+
+
+def sharded_state_specs(state: TrainState, axis_name: str, inner: tuple[str, ...],
+                        per_site: int) -> Any:
+  """:meth:`TrainStep.state_specs` with sharded parameters (module-level for the run)."""
+  site = P(axis_name)
+  inner_spec = inner[0] if len(inner) == 1 else inner
+  dims = shard_dims(unstack_shapes(state.params), per_site)
+
+  def spec(d):
+    return site if d is None else P(axis_name, *([None] * d), inner_spec)
+
+  by_path = {tuple(path): (np.shape(x), spec(d)) for (path, x), d in zip(
+      jax.tree_util.tree_flatten_with_path(state.params)[0],
+      jax.tree.structure(state.params).flatten_up_to(dims))}
+
+  def opt_spec(path, x):
+    for k in range(len(path), 0, -1):  # the longest matching suffix
+      hit = by_path.get(tuple(path[-k:]))
+      if hit is not None:
+        return hit[1] if hit[0] == np.shape(x) else site
+    return site
+
+  return state._replace(
+      params=jax.tree.map(spec, dims, is_leaf=lambda d: d is None or isinstance(d, int)),
+      opt_state=jax.tree_util.tree_map_with_path(opt_spec, state.opt_state),
+      **{f: jax.tree.map(lambda _: site, getattr(state, f))
+         for f in TrainState._fields if f not in ("params", "opt_state")})
+
+
 def _is_typed_key(key) -> bool:
   return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
 
@@ -219,6 +293,7 @@ class TrainStep:
   _eval: Callable
   inner_axes: tuple[str, ...] = ()
   per_site: int = 1
+  shard_params: bool = False
 
   def init(self, key: jax.Array, sample_x: Any, **init_kwargs) -> TrainState:
     """Initialize parameters from ``key`` and replicate them over the sites.
@@ -248,13 +323,35 @@ class TrainStep:
     return self.place(stack_sites(state, self.num_sites))
 
   def place(self, tree: Any) -> Any:
-    """Put a site-stacked pytree where this backend expects it."""
-    if self.backend == "shard_map":
-      sharding = NamedSharding(self.mesh, P(self.axis_name))
-      return jax.tree.map(
-          lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx, x=x: np.asarray(x)[idx]),
-          tree)
-    return jax.tree.map(jnp.asarray, tree)  # pmap shards its inputs itself
+    """Put a site-stacked pytree where this backend expects it.
+
+    With ``shard_params`` a :class:`TrainState` is placed by
+    :meth:`state_specs` (parameters and their optimizer state sharded within
+    each site); any other tree, and every tree without it, by site.
+    """
+    if self.backend != "shard_map":
+      return jax.tree.map(jnp.asarray, tree)  # pmap shards its inputs itself
+    specs = self.state_specs(tree) if isinstance(tree, TrainState) else P(self.axis_name)
+    specs = jax.tree.broadcast(specs, tree, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda x, spec: jax.make_array_from_callback(
+            np.shape(x), NamedSharding(self.mesh, spec), lambda idx, x=x: np.asarray(x)[idx]),
+        tree, specs)
+
+  def state_specs(self, state: TrainState) -> Any:
+    """The ``PartitionSpec`` of every leaf of a site-stacked state (shard_map backend).
+
+    Every leaf is split over the sites on its leading axis. With
+    ``shard_params`` a parameter is also split over the in-site axes along
+    :func:`shard_dims`'s dimension, and so is each optimizer-state leaf whose
+    key path ends with that parameter's path and whose shape is the
+    parameter's (momenta, Adam moments, error-feedback memories,
+    accumulators); every other leaf (counters, ledgers) is whole on every
+    device of a site.
+    """
+    if not self.shard_params:
+      return jax.tree.map(lambda _: P(self.axis_name), state)
+    return sharded_state_specs(state, self.axis_name, self.inner_axes, self.per_site)
 
   def check_batch(self, batch: Any) -> None:
     """Raise a clear error if the global batch does not split over the sites.
@@ -454,7 +551,7 @@ def local_gradients(model, loss, params, model_state, batch) -> LocalGradients:
 
 
 def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name,
-                  inner=()):
+                  inner=(), dims=None):
   """The step as one site runs it; collectives name ``axis_name``.
 
   ``inner``: the in-site mesh axes of a 2-D mesh (module docstring of
@@ -463,6 +560,12 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
   updated collections are averaged exactly over ``inner`` (booked in the
   in-site ledger), and everything after runs identically on every device
   of the site.
+
+  ``dims``: with sharded parameters, :func:`shard_dims` of the parameters:
+  the step holds slices of those leaves, all-gathers them over ``inner``
+  for the forward pass, reduce-scatters their gradients back to slices,
+  and traces the optimizer under :func:`~dadjax._shards.sharded_parameters`
+  (methods that need whole tensors refuse there).
   """
   tx = optax.with_extra_args_support(tx)
   synced_names = tuple(mutable) + (STATE_COLLECTION,)
@@ -470,10 +573,12 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
   def site_step(state: TrainState, batch):
     site = site_index(axis_name)
     model_key, shared_key, stage_key = site_keys(state.rng, state.step, site)
-    local_params, local_model_state = state.params, state.model_state
+    local_params, local_model_state, intra = state.params, state.model_state, NO_TRAFFIC
     if inner:
       if jax.lax.axis_size(inner) > 1:  # each device of a site draws its own dropout masks
         model_key = jax.random.fold_in(model_key, jax.lax.axis_index(inner))
+      if dims is not None:
+        local_params, intra = metered_gather_shards(local_params, inner, dims)
       local_params = tree_to_varying(local_params, inner)
       local_model_state = tree_to_varying(local_model_state, inner)
 
@@ -495,18 +600,19 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
       out = batch_stage.apply(ctx, local_params, batch, state.stage_state)
       result, stage_state, traffic = out.result, out.state, out.traffic
 
-    grads, model_state, aux, intra = result.grads, dict(result.model_state), result.aux, NO_TRAFFIC
+    grads, model_state, aux = result.grads, dict(result.model_state), result.aux
     loss = result.loss
     if inner:  # exact in-site average, before any method communicates over the site axis
-      grads, t = metered_pmean(grads, inner)
+      grads, t = _average_in_site(grads, inner, dims)
       local = {k: v for k, v in model_state.items() if k in synced_names}
       local = {k: v for k, v in local.items()
                if any(is_varying(x, a) for x in jax.tree.leaves(v) for a in inner)}
       synced_local, t2 = metered_pmean(local, inner)
       model_state = {**dict(state.model_state), **synced_local}
-      intra = traffic_add(t, t2)
+      intra = traffic_add(intra, t, t2)
       stage_state = _invariant_stage_state(stage_state, inner)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **result.extra_args)
+    with sharded_parameters(inner) if dims is not None else contextlib.nullcontext():
+      updates, opt_state = tx.update(grads, state.opt_state, state.params, **result.extra_args)
     params = optax.apply_updates(state.params, updates)
     synced = {k: model_state[k] for k in average if k in model_state}
     if jax.tree.leaves(synced):
@@ -568,6 +674,7 @@ def make_train_step(
     axis_name: str = "data",
     backend: str = "shard_map",
     mesh=None,
+    shard_params: bool = False,
     donate: bool = False,
 ) -> TrainStep:
   """Build the jitted SPMD training step.
@@ -601,6 +708,10 @@ def make_train_step(
       more axes than ``axis_name`` (``make_mesh(sites=2, per_site=4)``) makes
       each site a group of devices; see "Sites of several devices" below.
       ``pmap`` and ``vmap`` run one device per site (1-D only).
+    shard_params: on a 2-D mesh, split each site's parameters and their
+      optimizer state over the site's devices (FSDP-style; see "Sharded
+      parameters" below). Default ``False``: every device of a site holds
+      the site's whole copy.
     donate: donate the input state's buffers to the output (saves memory;
       the input state must not be used afterwards).
 
@@ -630,12 +741,36 @@ def make_train_step(
   device's rows (not the site's), so it is not the 1-D run's factorization.
   A batch stage whose state depends on the device's rows is refused.
 
+  Sharded parameters (``shard_params=True``, 2-D mesh): each parameter is
+  split along :func:`shard_dims`'s dimension over the in-site axes and
+  placed with a ``NamedSharding`` (:meth:`TrainStep.state_specs`), and so
+  are the optimizer-state leaves that mirror it; a device holds ``1 /
+  per_site`` of them. Each step all-gathers the slices within the site for
+  the forward pass and reduce-scatters the gradients back (both booked in
+  ``TrainState.intra_comm``: together they move what the replicated
+  layout's in-site all-reduce moves), so every device holds a slice of the
+  site's exact mean gradient, and the method then exchanges *its slice*
+  over the site axis: a site sends the same bits as with replicated
+  parameters, split over its devices' links instead of repeated on each
+  (the ledger is per device, as always). Supported, and equal to the
+  replicated layout: ``allreduce``, ``identity`` / ``cast`` / ``bf16`` /
+  ``fp16``, ``sign``, ``ef(...)`` of these, dAD and rank-dAD layers (they
+  see whole kernels), and elementwise optax optimizers (sgd, momentum,
+  adam, adamw). Compressors that need a whole tensor (TopK, RandomK, QSGD,
+  TernGrad, scaled sign, PowerSGD) and Accordion raise a ``ValueError``
+  naming the method when the step is first traced, before any state
+  changes; a batch stage is refused here. Optax transformations that reduce
+  over a whole tensor or tree (``clip_by_global_norm``, LAMB's trust ratio,
+  Adafactor's factored moments) would see only the device's slice: leave
+  them out with sharded parameters.
+
   Returns:
     A :class:`TrainStep`.
 
   Raises:
     ValueError: for an unknown backend, a bad ``num_sites``, an axis not in
-      the mesh, a mesh with ``pmap`` / ``vmap``,
+      the mesh, a mesh with ``pmap`` / ``vmap``, ``shard_params`` without a
+      2-D mesh or with a batch stage,
       or ``mutable`` / ``average`` naming ``"params"``, ``"comm"``
       or ``"dad_state"`` (``average`` must be a subset of ``mutable``).
   """
@@ -664,20 +799,37 @@ def make_train_step(
     num_sites = mesh.shape[axis_name]
     inner = tuple(a for a in mesh.axis_names if a != axis_name)
     per_site = int(np.prod([mesh.shape[a] for a in inner])) if inner else 1
+  if not isinstance(shard_params, bool):
+    raise ValueError(f"shard_params must be a bool, got {shard_params!r}")
+  if shard_params and (backend != "shard_map" or not inner):
+    raise ValueError("shard_params=True splits parameters over the devices of a site: it needs "
+                     "backend='shard_map' and a 2-D mesh, e.g. mesh=make_mesh(sites=2, "
+                     f"per_site=4); got backend={backend!r}, mesh axes "
+                     f"{mesh.axis_names if mesh is not None else None}")
+  if shard_params and batch_stage is not None:
+    raise ValueError("shard_params=True does not support a batch_stage (its gradient "
+                     "correction and gate need whole gradients); use shard_params=False")
   site_step = _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name,
                             inner)
 
   if backend == "shard_map":
 
-    def blocked(state, batch):
-      state = jax.tree.map(lambda x: x[0], state)
-      new_state, metrics = site_step(state, batch)
-      return jax.tree.map(lambda x: x[None], (new_state, metrics))
+    def compile_for(state_specs, dims):
+      program = site_step if dims is None else _site_program(
+          tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_name, inner, dims)
 
-    run = jax.jit(
-        jax.shard_map(blocked, mesh=mesh, in_specs=(P(axis_name), P((axis_name, *inner))),
-                      out_specs=P(axis_name)),
-        donate_argnums=donate_argnums)
+      def blocked(state, batch):
+        state = jax.tree.map(lambda x: x[0], state)
+        new_state, metrics = program(state, batch)
+        return jax.tree.map(lambda x: x[None], (new_state, metrics))
+
+      return jax.jit(
+          jax.shard_map(blocked, mesh=mesh, in_specs=(state_specs, P((axis_name, *inner))),
+                        out_specs=(state_specs, P(axis_name))),
+          donate_argnums=donate_argnums)
+
+    run = (_PerLayoutRun(compile_for, axis_name, inner, per_site) if shard_params
+           else compile_for(P(axis_name), None))
   elif backend == "pmap":
     num_sites = num_sites or jax.local_device_count()
     if num_sites > jax.local_device_count():
@@ -697,7 +849,35 @@ def make_train_step(
     return {"loss": value, **metrics_fn(aux, batch)}
 
   return TrainStep(model, tx, loss_fn, metrics_fn, num_sites, axis_name, backend, mesh, mutable,
-                   average, batch_stage, run, eval_fn, inner, per_site)
+                   average, batch_stage, run, eval_fn, inner, per_site, shard_params)
+
+
+class _PerLayoutRun:
+  """The jitted step for sharded parameters, built once per state layout.
+
+  ``shard_map`` needs each leaf's spec, which depends on the parameters'
+  shapes: the first call (or ``lower``) with a state of new shapes builds
+  the program for :meth:`TrainStep.state_specs` of that state.
+  """
+
+  def __init__(self, compile_for, axis_name: str, inner: tuple[str, ...], per_site: int):
+    self.compile_for, self.axis_name, self.inner, self.per_site = (
+        compile_for, axis_name, inner, per_site)
+    self.programs: dict = {}
+
+  def program(self, state: TrainState):
+    key = (jax.tree.structure(state), tuple(np.shape(x) for x in jax.tree.leaves(state)))
+    if key not in self.programs:
+      dims = shard_dims(unstack_shapes(state.params), self.per_site)
+      specs = sharded_state_specs(state, self.axis_name, self.inner, self.per_site)
+      self.programs[key] = self.compile_for(specs, dims)
+    return self.programs[key]
+
+  def __call__(self, state: TrainState, batch: Any):
+    return self.program(state)(state, batch)
+
+  def lower(self, state: TrainState, batch: Any):
+    return self.program(state).lower(state, batch)
 
 
 __all__ = [
@@ -711,6 +891,7 @@ __all__ = [
     "keep_unused_state",
     "local_gradients",
     "make_train_step",
+    "shard_dims",
     "site_keys",
     "softmax_cross_entropy",
     "stack_sites",
