@@ -173,7 +173,8 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
     A :class:`Run` with the final state and the logged rows.
 
   Raises:
-    ConfigError: the config names a dataset, model or method that cannot be built.
+    ConfigError: the config names a dataset, model or method that cannot be built,
+      or an ``out_dir`` that cannot be written.
     CheckpointError: the checkpoint directory is in use, belongs to another
       configuration, is past ``config.steps``, or holds no intact checkpoint.
     DivergenceError: a non-finite loss or state (never logged or saved).
@@ -201,9 +202,15 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   start = int(host_array(state.step)[0])
   out_file = None
   if config.out_dir:
-    pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
-    truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
-    out_file = open(pathlib.Path(config.out_dir) / "metrics.jsonl", "a")
+    try:
+      pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+      truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
+      out_file = open(pathlib.Path(config.out_dir) / "metrics.jsonl", "a")
+    except OSError as e:
+      if store is not None:
+        store.close()  # release the checkpoint lock: nothing ran
+      raise ConfigError(f"config.out_dir {config.out_dir!r} cannot hold metrics.jsonl: "
+                        f"{e.strerror or e}; choose a writable directory") from None
   history: list[dict] = []
   bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
              initial=start, total=config.steps, leave=False)

@@ -362,6 +362,8 @@ TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_sit
      "model 'cnn' with {'features': [4, 4, 4, 4]} has a layer with no inputs for input shape"),
     (["partition=random"], "config.partition must be one of ['iid', 'by_class', 'dirichlet']"),
     (["stepz=3"], "unknown config key(s) ['stepz']; valid keys: ["),
+    (["shard_params=true"], "config.shard_params=True splits parameters over the devices of a "
+                            "site: it needs config.per_site >= 2, got 1"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
   assert cli.main(["train", "--no-progress", *TINY, *argv]) == 2
@@ -370,6 +372,19 @@ def test_cli_errors_are_one_line(capsys, argv, message):
   assert lines == [lines[0]] and lines[0].startswith("dadjax: error: ")
   assert message in lines[0]
   assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_unwritable_out_dir_is_a_config_error_that_releases_the_lock(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  ckpt = tmp_path / "ckpt"
+  argv = ["train", "--no-progress", *TINY, f"checkpoint_dir={ckpt}"]
+  assert cli.main([*argv, f"out_dir={blocker / 'out'}"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"dadjax: error: config.out_dir '{blocker / 'out'}' cannot hold "
+                        "metrics.jsonl: ") and "choose a writable directory" in err
+  assert cli.main([*argv, f"out_dir={tmp_path / 'out'}"]) == 0  # the lock was released
+  assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1
 
 
 def test_malformed_toml_names_the_file(tmp_path, capsys):
