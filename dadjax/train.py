@@ -26,6 +26,7 @@ from dadjax import models
 from dadjax.comm import HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
+from dadjax.dad import accordion_rows
 from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_mesh, make_train_step
@@ -316,6 +317,7 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       **_stage_costs(state.stage_state),
   }
   row.update(state_rows(state.opt_state, step_fn.params(state)))
+  row.update(accordion_rows(state.model_state))  # rank-dAD layers under Accordion
   return row
 
 

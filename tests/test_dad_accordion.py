@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from dadjax import dad
+from dadjax.adaptive import decision_matrix
 from dadjax.config import Config
 from dadjax.dad import _rank_accordion
 from dadjax.methods import build_method
@@ -162,3 +163,17 @@ def test_method_in_a_shard_map_run_keeps_sites_in_lock_step():
       values = np.asarray(s[key])
       assert np.all(values == values[0]), (key, values)
   assert np.isfinite(run.final["loss"])
+  # The decisions reach the metrics rows, and the heat map reads them.
+  row = run.history[-1]
+  layers_in_row = sorted(k.split("/", 2)[2] for k in row if k.startswith("accordion/rank/"))
+  assert layers_in_row == ["head", "hidden_0"]
+  for layer in layers_in_row:
+    state = run.state.model_state["dad_state"][layer]["dad"]
+    uses = np.asarray(state["uses"])[0]
+    assert row[f"accordion/rank/{layer}"] == round(float(np.asarray(state["rank_used"])[0]) / uses)
+    assert row[f"accordion/rank/{layer}"] in (1, 4)
+    assert row[f"accordion/critical/{layer}"] in (0, 1)
+  steps, names, decided, _ = decision_matrix(run.history)
+  assert names == ["hidden_0", "head"] or names == ["head", "hidden_0"]
+  assert decided.shape == (2, len(run.history)) and set(np.unique(decided)) <= {0, 1}
+  assert steps[-1] == 12

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 _LOW = "accordion/low/"
+_CRITICAL = "accordion/critical/"
 
 
 def decision_matrix(rows: Sequence[dict], *, step_key: str = "accordion/step"
@@ -15,7 +16,10 @@ def decision_matrix(rows: Sequence[dict], *, step_key: str = "accordion/step"
 
   Args:
     rows: metrics rows as made by :func:`accordion_row` (other keys are
-      ignored; rows without Accordion keys are skipped).
+      ignored; rows without Accordion keys are skipped). Rows of rank-dAD
+      layers under Accordion (:func:`dadjax.dad.accordion_rows`) carry no
+      ``low`` keys: their ``accordion/critical/<layer>`` decisions (1: the
+      high rank next) are drawn instead.
     step_key: the key of the time axis.
 
   Returns:
@@ -27,20 +31,22 @@ def decision_matrix(rows: Sequence[dict], *, step_key: str = "accordion/step"
   Raises:
     ValueError: if no row holds Accordion decisions.
   """
-  rows = [r for r in rows if any(k.startswith(_LOW) for k in r)]
+  prefix = _LOW if any(k.startswith(_LOW) for r in rows for k in r) else _CRITICAL
+  rows = [r for r in rows if any(k.startswith(prefix) for k in r)]
   if not rows:
-    raise ValueError("rows: no row holds Accordion decisions ('accordion/low/...' keys)")
+    raise ValueError("rows: no row holds Accordion decisions ('accordion/low/...' or "
+                     "'accordion/critical/...' keys)")
   names: list[str] = []
   for r in rows:
     for k in r:
-      if k.startswith(_LOW) and k[len(_LOW):] not in names:
-        names.append(k[len(_LOW):])
-  steps = np.asarray([r.get(step_key, i) for i, r in enumerate(rows)])
+      if k.startswith(prefix) and k[len(prefix):] not in names:
+        names.append(k[len(prefix):])
+  steps = np.asarray([r.get(step_key, r.get("step", i)) for i, r in enumerate(rows)])
   low = np.full((len(names), len(rows)), -1, np.int8)
   for j, r in enumerate(rows):
     for i, n in enumerate(names):
-      if _LOW + n in r:
-        low[i, j] = int(r[_LOW + n])
+      if prefix + n in r:
+        low[i, j] = int(r[prefix + n])
   lr = None
   if all("accordion/lr" in r for r in rows):
     lr = np.asarray([r["accordion/lr"] for r in rows], np.float64)

@@ -169,6 +169,28 @@ def effective_ranks(model_state: Any, *, which: str = "rank") -> dict[str, np.nd
   return out
 
 
+def accordion_rows(model_state: Any, *, site: int = 0) -> dict:
+  """Metrics-row entries of the rank-dAD layers under Accordion (``rank_low`` set).
+
+  Args:
+    model_state: ``TrainState.model_state`` (or a ``"dad_state"`` tree),
+      stacked per site or not (the decisions are equal on every site).
+    site: the site to read when the state is stacked.
+
+  Returns:
+    ``{"accordion/critical/<layer>": 0 | 1 (decision for the next step),
+    "accordion/rank/<layer>": the rank the last step sent,
+    "accordion/norm/<layer>": float (last window's mean norm statistic)}``;
+    empty without such layers. ``dadjax plot`` draws the critical decisions.
+  """
+  row: dict = {}
+  for field, key in (("critical", "critical"), ("rank_used", "rank"), ("norm", "norm")):
+    for layer, values in effective_ranks(model_state, which=field).items():
+      value = float(np.ravel(values)[site if np.ndim(values) else 0])
+      row[f"accordion/{key}/{layer}"] = value if field == "norm" else int(round(value))
+  return row
+
+
 def _resolve(mask: MaskLike, tree: Any) -> Any:
   return mask(tree) if callable(mask) else mask
 
