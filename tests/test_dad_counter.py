@@ -98,3 +98,21 @@ def test_rank_dad_key_is_folded_from_the_int_step():
   # Steps one apart draw different starts, also where float32 would merge them.
   for step in (5, BIG - 1):
     assert np.abs(run(a, d, step) - run(a, d, step + 1)).max() > 1e-4, step
+
+
+def test_int_counter_survives_a_checkpoint_resume(tmp_path):
+  from dadjax.config import Config  # pylint: disable=g-import-not-at-top
+  from dadjax.train import train  # pylint: disable=g-import-not-at-top
+  small = dict(steps=4, eval_every=2, batch_per_site=8, num_sites=SITES, backend="vmap",
+               model_kwargs={"hidden": [16]}, method="rank_dad:2:warm")
+  uninterrupted = train(Config(**small), progress=False)
+  ckpt = str(tmp_path / "ckpt")
+  train(Config(**{**small, "steps": 2}, checkpoint_dir=ckpt, checkpoint_every=2), progress=False)
+  resumed = train(Config(**small, checkpoint_dir=ckpt, checkpoint_every=2), progress=False)
+  for run in (uninterrupted, resumed):
+    for layer in run.state.model_state["dad_state"].values():
+      assert layer["dad"]["step"].dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(layer["dad"]["step"]), 4)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.model_state),
+               jax.device_get(uninterrupted.state.model_state))
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, uninterrupted.params)

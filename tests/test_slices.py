@@ -78,7 +78,7 @@ def test_2d_mesh_trains_like_pooled_training(spec, shape):
   n_params = sum(np.size(x) for x in jax.tree.leaves(got))
   n_state = 2 * 2 if spec == "dad" else 0  # two dAD layers x (fp32 "uses" + int32 "step")
   if spec == "dad":
-    steps = [v["step"] for v in state.model_state["dad_state"].values()]
+    steps = [v["dad"]["step"] for v in state.model_state["dad_state"].values()]
     assert all(s.dtype == np.int32 and np.all(np.asarray(s) == 3) for s in steps)
   assert summary.intra_reduce_bits == (32 * (n_params + n_state + 2),) * sites
   assert summary.intra_gather_bits == (0,) * sites
