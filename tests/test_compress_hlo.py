@@ -223,7 +223,7 @@ def test_replicated_params_typing_collectives_are_booked(kw):
     def loss(p, r):
       logits, sown = model.apply({"params": p, **r}, x, mutable=["comm"])
       return jax.lax.pmean(softmax_cross_entropy(logits, y), "data"), sown["comm"]
-    grads, sown = jax.grad(loss, argnums=(0, 1), has_aux=True)(params, rest)
+    grads, sown = jax.grad(loss, argnums=(0, 1), has_aux=True, allow_int=True)(params, rest)
     return grads, sown
 
   put = lambda tree, spec: jax.tree.map(

@@ -97,7 +97,8 @@ def _site_grads(fn):
   Returns a jitted ``run(a, d, state=None)`` with ``a`` (sites, n, d_in) and
   ``d`` (sites, n, d_out); the cotangent fed to the layer output is exactly
   ``d``, so each site's local gradient is ``a^T d``. ``run`` returns the
-  (kernel grads, bias grads, new state) stacked per site.
+  (kernel grads, bias grads, new state) stacked per site; the new state is
+  ``dad.next_state`` of the state and its cotangent, as the train step makes it.
   """
 
   def site(a, d, kernel, bias, state):
@@ -109,7 +110,8 @@ def _site_grads(fn):
   def call(a, d, state=None):
     kernel = jnp.zeros((a.shape[0], a.shape[2], d.shape[2]))
     bias = jnp.zeros((a.shape[0], d.shape[2]))
-    return run(a, d, kernel, bias, state)
+    gk, gb, ct = run(a, d, kernel, bias, state)
+    return gk, gb, None if state is None else dad.next_state(state, ct)
 
   return call
 
@@ -143,7 +145,9 @@ def test_exact_gru_matches_allreduce_per_step_capture(backend):
   assert mask["embed"]["embedding"] is False and mask["cell"]["hh"]["kernel"] is True
   hh = jax.tree.map(lambda v: np.asarray(v)[0], state.model_state["dad_state"]["cell"]["hh"]["dad"])
   assert float(hh["uses"]) == 5  # one cotangent per time step, summed by scan
-  assert float(dad.current_state(hh)["step"]) == 2  # read back as sum / uses
+  # The float fields are sums over the 5 uses; the int32 counter advanced once per step.
+  assert hh["step"].dtype == np.int32 and int(hh["step"]) == 2
+  assert int(dad.current_state(hh)["step"]) == 2
   ih_bits = 2 * 5 * (5 + 18) * 32  # rows = 2 sequences x 5 steps
   hh_bits = 5 * 2 * (6 + 18) * 32  # 5 steps x 2 rows
   head_bits = 2 * (6 + 3) * 32
@@ -328,7 +332,7 @@ def test_error_feedback_memory_accounts_for_every_residual(aggregation):
     applied = applied + np.asarray(gk)[0]
   memory = np.asarray(jax.vmap(dad.current_state)(state)["memory"]).mean(axis=0)
   np.testing.assert_allclose(applied + memory, 2 * exact, atol=1e-4)
-  assert np.all(np.asarray(state["step"]) == 2)
+  assert state["step"].dtype == jnp.int32 and np.all(np.asarray(state["step"]) == 2)
   assert np.linalg.norm(memory) > 1e-3  # rank 1 of a rank-4 gradient leaves a residual
 
 
@@ -503,7 +507,7 @@ def test_exact_gru_stack_time_rows_matches_allreduce_one_call():
   _assert_trees_close(ref, got)
   assert mask["cell"]["hh"]["kernel"] is True and mask["embed"]["embedding"] is False
   hh = jax.tree.map(lambda v: np.asarray(v)[0], state.model_state["dad_state"]["cell"]["hh"]["dad"])
-  assert float(hh["uses"]) == 1 and float(dad.current_state(hh)["step"]) == 2
+  assert float(hh["uses"]) == 1 and hh["step"].dtype == np.int32 and int(hh["step"]) == 2
   # Same rows as per-step gathering, counted once, in one collective.
   ih_bits = 2 * 5 * (5 + 18) * 32
   hh_bits = 2 * 5 * (6 + 18) * 32  # rows = B x T, one layer call

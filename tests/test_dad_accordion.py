@@ -20,7 +20,8 @@ SITES, AXIS = 4, "data"
 
 
 def _vjp_run(config):
-  """``run(a, d, state) -> (gk, gb, new_state)`` per site (stacked), D fed exactly."""
+  """``run(a, d, state) -> (gk, gb, new_state)`` per site (stacked), D fed exactly;
+  ``new_state`` is ``dad.next_state`` of the state and its cotangent."""
 
   def site(a, d, kernel, bias, state):
     _, vjp = jax.vjp(lambda k, b, s: dad.dense(a, k, b, s, config=config), kernel, bias, state)
@@ -31,7 +32,8 @@ def _vjp_run(config):
   def call(a, d, state):
     kernel = jnp.zeros((SITES, a.shape[2], d.shape[2]))
     bias = jnp.zeros((SITES, d.shape[2]))
-    return run(a, d, kernel, bias, state)
+    gk, gb, ct = run(a, d, kernel, bias, state)
+    return gk, gb, dad.next_state(state, ct)
 
   return call
 
@@ -103,7 +105,7 @@ def test_lr_decrease_makes_the_layer_high_rank_until_the_next_check():
   state = _stack(dad.init_state(cfg, 4, 3))
   # A decided state at step 1: low rank.
   state = {**state, "critical": jnp.zeros((SITES,)), "uses": jnp.ones((SITES,)),
-           "step": jnp.ones((SITES,))}
+           "step": jnp.ones((SITES,), jnp.int32)}
   used = []
   rng = np.random.default_rng(0)
   for _ in range(5):
@@ -122,7 +124,8 @@ def test_sown_bits_follow_the_rank():
   def bits(critical):
     v = {"params": variables["params"], "dad_state": dict(variables["dad_state"])}
     v["dad_state"]["dad"] = {**v["dad_state"]["dad"], "critical": jnp.full((SITES,), critical),
-                             "uses": jnp.ones((SITES,)), "step": jnp.ones((SITES,))}
+                             "uses": jnp.ones((SITES,)),
+                             "step": jnp.ones((SITES,), jnp.int32)}
     _, out = jax.vmap(lambda v, x: layer.apply(v, x, mutable=["comm"]), axis_name=AXIS)(v, x)
     (b,) = out["comm"]["gather_bits"]
     return int(b.hi[0]) * 2**32 + int(b.lo[0])

@@ -92,7 +92,8 @@ def test_rank_dense_with_three_outputs_at_rank_four_is_exact(aggregation):
     def loss(p, s):
       out = model.apply({"params": p, "dad_state": s}, x)
       return jnp.mean((out - y) ** 2)
-    return jax.grad(loss, argnums=(0, 1))(params, state)
+    grads, cts = jax.grad(loss, argnums=(0, 1), allow_int=True)(params, state)
+    return grads, dad.next_state(state, cts)
 
   def plain_site(x, y):
     return jax.grad(lambda p: jnp.mean((plain.apply({"params": p}, x) - y) ** 2))(params)

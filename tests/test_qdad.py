@@ -28,7 +28,7 @@ def collective_bytes(hlo: str) -> dict:
 
 def site_grads(config, x, kernel, bias, cot, step):
   """Per-site gradients of sum(y * cot) through dense() on SITES vmap-simulated sites."""
-  state = {"uses": jnp.float32(1), "step": jnp.asarray(step, jnp.float32)}
+  state = {"uses": jnp.float32(1), "step": jnp.asarray(step, jnp.int32)}
 
   def one(x, cot):
     f = lambda k, b: jnp.sum(dense(x, k, b, state, config=config) * cot)

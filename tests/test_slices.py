@@ -73,9 +73,13 @@ def test_2d_mesh_trains_like_pooled_training(spec, shape):
   np.testing.assert_allclose(np.asarray(metrics["loss"])[0], np.asarray(ref_metrics["loss"])[0],
                              rtol=1e-5)
   summary = dadjax.comm_stats(state)
-  # In-site: one fp32 pmean of the gradients (+ dAD's per-layer state counters) + the metrics.
+  # In-site: one fp32 pmean of the gradients (+ dAD's per-layer "uses"), the int32 "step"
+  # counters taken exactly from the site's first device (a psum), and the metrics.
   n_params = sum(np.size(x) for x in jax.tree.leaves(got))
-  n_state = 4 if spec == "dad" else 0  # two dAD layers x ("uses", "step")
+  n_state = 2 * 2 if spec == "dad" else 0  # two dAD layers x (fp32 "uses" + int32 "step")
+  if spec == "dad":
+    steps = [v["dad"]["step"] for v in state.model_state["dad_state"].values()]
+    assert all(s.dtype == np.int32 and np.all(np.asarray(s) == 3) for s in steps)
   assert summary.intra_reduce_bits == (32 * (n_params + n_state + 2),) * sites
   assert summary.intra_gather_bits == (0,) * sites
   if spec == "dad":  # each device gathers its own b / per_site rows of (A, D) per layer

@@ -358,12 +358,17 @@ def test_dad_layer_without_cotangent_keeps_its_state():
 
 
 def test_keep_unused_state_per_stacked_layer():
-  old = {"l": {"uses": jnp.array([1.0, 2.0]), "basis": jnp.ones((2, 3, 1))}}
-  new = {"l": {"uses": jnp.array([0.0, 1.0]), "basis": jnp.full((2, 3, 1), 5.0)}}
+  old = {"l": {"uses": jnp.array([1.0, 2.0]), "step": jnp.array([3, 7], jnp.int32),
+               "basis": jnp.ones((2, 3, 1))}}
+  new = {"l": {"uses": jnp.array([0.0, 1.0]), "step": None, "basis": jnp.full((2, 3, 1), 5.0)}}
   out = dadjax.parallel.keep_unused_state(new, old)
   np.testing.assert_array_equal(out["l"]["uses"], [1.0, 1.0])
   np.testing.assert_array_equal(out["l"]["basis"][0], 1.0)
   np.testing.assert_array_equal(out["l"]["basis"][1], 5.0)
+  # The step owns the counter: +1 only where the stacked layer ran, dtype kept.
+  assert out["l"]["step"].dtype == jnp.int32
+  np.testing.assert_array_equal(out["l"]["step"], [3, 8])
+  chex.assert_trees_all_equal(out, dad.next_state(old, new))
 
 
 def test_default_losses_honour_row_weights():

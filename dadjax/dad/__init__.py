@@ -10,6 +10,17 @@ are registered methods (:func:`get_method`, ``dadjax methods``). The
 structured power iteration (:func:`~dadjax.extend.factorize`) is in
 :mod:`dadjax.extend`.
 
+Layer state: each layer keeps a ``"dad_state"`` entry (:func:`init_state`):
+float fields its backward pass returns as the cotangent of the state, and an
+int32 ``step`` counter that the backward pass only reads. The train step
+differentiates the collection and replaces it with :func:`next_state`
+(cotangent's float fields, ``step + 1``, for the layers that ran; the old
+state for the others). Code that differentiates ``"dad_state"`` itself does
+the same, with ``allow_int=True`` for the int counter::
+
+    grads, cts = jax.grad(loss, argnums=(0, 1), allow_int=True)(params, dad_state)
+    dad_state = dadjax.dad.next_state(dad_state, cts)
+
 References:
   Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
   Differentiation" (https://arxiv.org/abs/2102.09631).
@@ -18,7 +29,7 @@ References:
 from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig
 from dadjax.dad._cost import choose_route, layer_bits, layer_route, layer_traffic, route_traffic
 from dadjax.dad._module import Dense
-from dadjax.dad._state import current_state, init_state
+from dadjax.dad._state import current_state, init_state, next_state
 from dadjax.dad._vjp import dense
 from dadjax.dad._methods import DenseFactory, get_method, is_method
 from dadjax.dad._power import Factors, factorize, product_route
@@ -43,6 +54,7 @@ __all__ = [
     "AGGREGATIONS",
     "dense",
     "init_state",
+    "next_state",
     "DenseFactory",
     "get_method",
     "is_method",

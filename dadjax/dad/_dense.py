@@ -12,5 +12,5 @@
 from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig  # noqa: F401
 from dadjax.dad._cost import choose_route, layer_bits, layer_route, layer_traffic  # noqa: F401
 from dadjax.dad._module import Dense  # noqa: F401
-from dadjax.dad._state import STATE_NAME, current_state, init_state  # noqa: F401
+from dadjax.dad._state import STATE_NAME, current_state, init_state, next_state  # noqa: F401
 from dadjax.dad._vjp import dense  # noqa: F401

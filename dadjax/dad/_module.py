@@ -39,7 +39,10 @@ class Dense(nn.Module):
   ``reduce_bits``, with ``gather_calls`` / ``reduce_calls``: int8 zeros
   whose size is the number of collective calls), which the train step forwards to the optimizer.
   Applied without a ``dad_state`` (e.g. evaluation with params only) the
-  layer uses a fresh, transient state.
+  layer uses a fresh, transient state. The state's ``step`` is an int32
+  counter the layer only reads; whoever differentiates ``"dad_state"``
+  (the train step does) uses ``allow_int=True`` and stores
+  :func:`~dadjax.dad.next_state` of the old state and the cotangent.
 
   With ``capture=True`` the layer exposes its rows for research: the input
   ``A`` is sown into ``"intermediates"`` as ``inputs``, and the output is

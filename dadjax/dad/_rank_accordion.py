@@ -51,11 +51,12 @@ def high_rank_now(config, cur: dict[str, jax.Array]) -> jax.Array:
   """Whether this step runs at the high rank: the last decision, or an LR decrease now.
 
   Before the first step (``step == 0``, when :func:`current_state` reads the
-  fresh state as zeros) the layer is critical.
+  fresh state's float fields as zeros) the layer is critical.
   """
-  high = (cur["critical"] > 0.5) | (cur["step"] < 0.5)
+  step = jnp.asarray(cur["step"]).astype(jnp.int32)
+  high = (cur["critical"] > 0.5) | (step == 0)
   if config.lr_schedule is not None:
-    high = high | lr_decreased(config.lr_schedule, cur["step"].astype(jnp.int32))
+    high = high | lr_decreased(config.lr_schedule, step)
   return high
 
 
@@ -149,7 +150,7 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
   r_high = config.rank
   dot = functools.partial(jnp.dot, precision=config.precision)
   high = high_rank_now(config, cur)
-  step = cur["step"].astype(jnp.int32)
+  step = jnp.asarray(cur["step"]).astype(jnp.int32)
   # The same key as static rank-dAD: component k starts from fold_in(key, k).
   key_local, _ = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), step))
   memory = cur.get("memory")

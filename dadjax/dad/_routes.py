@@ -46,7 +46,7 @@ def match_type(ct, primal, axis_name, typed: bool, reduce: str = "pmean"):
   cotangent of an invariant primal is reduced: ``"psum"`` where per-site
   contributions add up (JAX's transpose of the implicit ``pvary``),
   ``"pmean"`` for values equal on every site by construction (synchronized
-  gradients, the step counter), which types them invariant without
+  gradients, the uses count), which types them invariant without
   changing them. That reduction is a real collective and is metered.
   """
   if not typed or ct is None:
@@ -91,8 +91,9 @@ def backward(config: DadConfig, route: str, res, dy, *, num_sites: int):
   # the data-parallel mean over sites.
   scale = 1.0 if invariant else 1.0 / num_sites
   cur = current_state(state) if state is not None else None
-  new_state = None if state is None else {
-      "uses": jnp.ones((), jnp.float32), "step": cur["step"] + 1}
+  # The new float fields; ``step`` is read here and advanced by the state's
+  # owner (dadjax.dad.next_state), so its cotangent is zero.
+  new_state = None if state is None else {"uses": jnp.ones((), jnp.float32)}
   sent = []
 
   if route == "gather" and config.quantize_bits is not None:
@@ -142,7 +143,9 @@ def backward(config: DadConfig, route: str, res, dy, *, num_sites: int):
     for k, v in new_state.items():
       typed_state[k], t = match_type(v.astype(jnp.float32), state[k], axis, typed)
       sent.append(t)
-    new_state = typed_state
+    # The step counter (and any integer field) is only read: no cotangent.
+    new_state = {**typed_state, **{k: None for k, v in state.items()
+                                   if k == "step" or not jnp.issubdtype(v.dtype, jnp.inexact)}}
   return dx, gk, gb, new_state, traffic_add(*sent)
 
 
@@ -151,7 +154,7 @@ def _rank_dad(config, a, d, cur, invariant, scale, has_bias):
   axis, r = config.axis_name, config.rank
   d_in, d_out = a.shape[1], d.shape[1]
   dot = functools.partial(jnp.dot, precision=config.precision)
-  step = jnp.zeros((), jnp.int32) if cur is None else cur["step"].astype(jnp.int32)
+  step = jnp.zeros((), jnp.int32) if cur is None else cur["step"]
   key_local, key_global = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), step))
   memory = cur.get("memory") if cur is not None else None
   fac = factorize(a, d, rank=r, iters=config.iters, tol=config.tol, key=key_local,

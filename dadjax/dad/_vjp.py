@@ -35,15 +35,19 @@ the same program with ``flax.linen.Dense``.
 
 Layer state (warm-start bases, error-feedback memories, the step counter of
 the shared random key, effective ranks) lives in the ``"dad_state"``
-collection. The backward pass returns the *new* state as the cotangent of
-the state input and the train step overwrites the state with that
-"gradient" (:mod:`dadjax.parallel`). A layer applied K times in one forward
-pass (``nn.scan`` over time with ``variable_broadcast=["dad_state"]``,
-weight sharing) receives the *sum* of K cotangents, so the state stores
-sums together with a ``uses`` count and is read back as ``sum / uses``:
-the step counter and effective rank come out right, warm starts are the
-mean of the K bases, and the K error-feedback memories, each re-applied by
-all K uses, add up to exactly the total residual.
+collection. The backward pass returns the *new* float fields as the
+cotangent of the state input; the int32 step counter is only read (its
+cotangent is zero). The train step replaces the state with
+:func:`~dadjax.dad.next_state` of the old state and that "gradient":
+float fields from the cotangent and ``step + 1`` for layers that ran
+(:mod:`dadjax.parallel`). A layer applied K times in one forward pass
+(``nn.scan`` over time with ``variable_broadcast=["dad_state"]``, weight
+sharing) receives the *sum* of K cotangents, so the float fields store
+sums together with a ``uses`` count and are read back as ``sum / uses``:
+the effective rank comes out right, warm starts are the mean of the K
+bases, and the K error-feedback memories, each re-applied by all K uses,
+add up to exactly the total residual; the step counter advances by one
+per step, exactly, however many steps and uses.
 
 Every collective of the backward pass is metered (:mod:`dadjax.dad._routes`);
 the bits a layer reports are read from those payloads (:mod:`dadjax.dad._cost`).
@@ -97,7 +101,9 @@ def dense(
   its local input gradient, and ``kernel`` / ``bias`` the *synchronized*
   gradient over ``axis_name`` by the configured route (module docstring):
   no optimizer-side all-reduce is needed for them. ``state``'s cotangent is
-  the layer's new state (see :func:`init_state`).
+  the layer's new float state (``None`` for the int32 ``step``); turn it
+  into the next state with :func:`next_state`, differentiating with
+  ``allow_int=True`` (see :func:`init_state`).
 
   Args:
     x: (..., d_in) inputs; all leading axes are rows.

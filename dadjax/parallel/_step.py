@@ -33,11 +33,13 @@ Loss: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)`` (see
 
 Model state (the non-parameter collections, ``TrainState.model_state``):
 
-* ``"dad_state"``: differentiated and *overwritten* with its gradient (the
-  pattern Flax uses for fp8 scales), which is how a dAD layer keeps state
-  (warm starts, error feedback) across steps. A layer state with a
-  ``"uses"`` entry that comes back 0 received no cotangent this step (an
-  unused head, a branch not taken): it keeps its previous value.
+* ``"dad_state"``: its float leaves are differentiated and *overwritten*
+  with their gradient (the pattern Flax uses for fp8 scales), which is how a
+  dAD layer keeps state (warm starts, error feedback) across steps; the
+  step owns each layer's int32 ``step`` counter and advances it by one
+  (:func:`~dadjax.dad.next_state`). A layer state with a ``"uses"`` entry
+  that comes back 0 received no cotangent this step (an unused head, a
+  branch not taken): it keeps its previous value, counter included.
 * ``mutable`` collections (default ``("batch_stats",)``): replaced by what
   the loss function's ``aux["model_state"]`` returns in training. Those
   named in ``average`` (default ``("batch_stats",)``) are then averaged over
@@ -93,6 +95,7 @@ from dadjax._tree_utils import tree_nbits
 from dadjax.comm import (
     CommStats,
     NO_TRAFFIC,
+    Traffic,
     host_array,
     intra_ledger_init,
     is_varying,
@@ -101,10 +104,12 @@ from dadjax.comm import (
     metered_gather_shards,
     metered_mean_scatter,
     metered_pmean,
+    metered_psum,
     site_index,
     traffic_add,
     tree_to_varying,
 )
+from dadjax.dad._state import next_state
 from dadjax.parallel._losses import (
     COMM_COLLECTION,
     _accepts_train,
@@ -469,38 +474,53 @@ class LocalGradients(NamedTuple):
   extra_args: dict  # optax extra arguments: {"model_comm": sown bits} when a layer communicated
 
 
-def _bcast(mask, like):
-  return jnp.reshape(mask, jnp.shape(mask) + (1,) * (jnp.ndim(like) - jnp.ndim(mask)))
+def _in_site_sync(tree: Any, inner) -> tuple[Any, Traffic]:
+  """Updated collections made equal on every device of a site; returns ``(tree, traffic)``.
+
+  Float leaves are averaged exactly (``pmean``); integer leaves (step
+  counters, equal on every device of a site by construction) are taken from
+  the site's first device, exactly and without changing their dtype (one
+  ``psum`` of that device's value).
+  """
+  is_float = lambda v: jnp.issubdtype(jnp.result_type(v), jnp.inexact)
+  floats, traffic = metered_pmean(jax.tree.map(lambda v: v if is_float(v) else None, tree), inner)
+  ints = jax.tree.map(lambda v: None if is_float(v) else v, tree)
+  if jax.tree.leaves(ints):
+    first = jax.lax.axis_index(inner) == 0
+    ints, t = metered_psum(jax.tree.map(lambda v: jnp.where(first, v, jnp.zeros_like(v)), ints),
+                           inner)
+    traffic = traffic_add(traffic, t)
+  return jax.tree.map(lambda f, i: i if f is None else f, floats, ints,
+                      is_leaf=lambda x: x is None), traffic
 
 
 def keep_unused_state(new: Any, old: Any) -> Any:
-  """New ``"dad_state"``, with the old value wherever a layer got no cotangent.
+  """The ``"dad_state"`` after a step: :func:`dadjax.dad.next_state` ``(old, new)``.
 
-  A layer state is a mapping with a ``"uses"`` entry; its new value (the
-  cotangent) has ``uses == 0`` exactly when the layer was not on the path
-  of the loss this step, and then the whole layer state keeps ``old``.
-  ``uses`` may carry leading axes (layers stacked by ``nn.scan``); the
-  choice is made per entry of those axes.
+  ``new`` is the collection's cotangent. A layer state is a mapping with a
+  ``"uses"`` entry; where the cotangent has ``uses > 0`` the layer takes its
+  float fields and advances its int32 ``step`` by one; where ``uses == 0``
+  (the layer was not on the path of the loss this step) the whole layer
+  state keeps ``old``. ``uses`` may carry leading axes (layers stacked by
+  ``nn.scan``); the choice is made per entry of those axes.
   """
-  if isinstance(new, Mapping):
-    if "uses" in new and not isinstance(new["uses"], Mapping):
-      ran = new["uses"] > 0
-      return {k: jnp.where(_bcast(ran, v), v, old[k]) for k, v in new.items()}
-    return {k: keep_unused_state(v, old[k]) for k, v in new.items()}
-  return new
+  return next_state(old, new)
 
 
 def grad_result(loss_fn: LossFn, mutable: Sequence[str], params, model_state, batch, rng,
                 train: bool = True) -> GradResult:
   """One backward pass as the train step computes it.
 
-  Differentiates ``loss_fn`` with respect to ``params`` and the
-  ``"dad_state"`` collection. Layers that communicate in their backward
-  pass (dAD) have already done so when this returns; their sown bits come
-  back in ``extra_args`` (``{"model_comm": ...}``) for ``tx.update(...,
-  **extra_args)``, and their ``"dad_state"`` is replaced by its gradient
-  (keeping the old value of layers that got no cotangent). The ``mutable``
-  collections are replaced by the loss function's ``aux["model_state"]``.
+  Differentiates ``loss_fn`` with respect to ``params`` and the float
+  leaves of the ``"dad_state"`` collection (its int32 step counters are
+  passed through undifferentiated). Layers that communicate in their
+  backward pass (dAD) have already done so when this returns; their sown
+  bits come back in ``extra_args`` (``{"model_comm": ...}``) for
+  ``tx.update(..., **extra_args)``, and their ``"dad_state"`` is replaced
+  by :func:`dadjax.dad.next_state` of the old state and its gradient (new
+  float fields and ``step + 1`` for layers that ran, the old value for
+  layers that got no cotangent). The ``mutable`` collections are replaced
+  by the loss function's ``aux["model_state"]``.
 
   Returns:
     A :class:`~dadjax.stage.GradResult` (``aux`` without ``"model_state"``).
@@ -508,12 +528,18 @@ def grad_result(loss_fn: LossFn, mutable: Sequence[str], params, model_state, ba
   model_state = dict(model_state or {})
   diff = {k: v for k, v in model_state.items() if k == STATE_COLLECTION}
   fixed = {k: v for k, v in model_state.items() if k != STATE_COLLECTION}
+  # Only the float leaves of "dad_state" are differentiated; integer leaves
+  # (step counters) enter as constants and get a None cotangent.
+  leaves, treedef = jax.tree.flatten(diff)
+  is_float = [jnp.issubdtype(jnp.result_type(v), jnp.inexact) for v in leaves]
 
   def objective(p, d):
+    d = treedef.unflatten([x if f else v for x, v, f in zip(d, leaves, is_float)])
     return loss_fn(p, {**fixed, **d}, batch, rng, train)
 
-  (value, aux), (grads, dgrads) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-      params, diff)
+  (value, aux), (grads, dleaves) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+      params, [v if f else None for v, f in zip(leaves, is_float)])
+  dgrads = treedef.unflatten([g if f else None for g, f in zip(dleaves, is_float)])
   updates = {}
   if isinstance(aux, Mapping) and MODEL_STATE in aux:
     aux = dict(aux)
@@ -607,7 +633,7 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
       local = {k: v for k, v in model_state.items() if k in synced_names}
       local = {k: v for k, v in local.items()
                if any(is_varying(x, a) for x in jax.tree.leaves(v) for a in inner)}
-      synced_local, t2 = metered_pmean(local, inner)
+      synced_local, t2 = _in_site_sync(local, inner)
       model_state = {**dict(state.model_state), **synced_local}
       intra = traffic_add(intra, t, t2)
       stage_state = _invariant_stage_state(stage_state, inner)
