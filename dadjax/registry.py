@@ -98,12 +98,26 @@ class Method(NamedTuple):
     dense: a dense-layer factory the model must be built with (dAD).
     batch_stage: a :class:`~dadjax.stage.BatchStage` that runs on the site's
       batch instead of the plain backward pass (data-side methods).
+    wrap: ``optimizer -> optimizer`` applied to the whole chain (``tx``, then
+      the local optimizer) for methods that decide *when* an update happens
+      (Accordion's batch-size mode accumulates micro-steps and runs the
+      chain once per cycle); ``None`` leaves the chain as it is.
   """
 
   name: str
   tx: optax.GradientTransformation | None = None
   dense: Callable[..., Any] | None = None
   batch_stage: Any = None
+  wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None = None
+
+  def optimizer(self, local: optax.GradientTransformation) -> optax.GradientTransformation:
+    """The optimizer a run uses: ``tx`` first, then ``local``, under ``wrap``.
+
+    Args:
+      local: the local optimizer, e.g. ``optax.sgd(0.1, momentum=0.9)``.
+    """
+    chain = optax.chain(self.tx if self.tx is not None else optax.identity(), local)
+    return self.wrap(chain) if self.wrap is not None else chain
 
 
 # -- the parse tree -----------------------------------------------------------------------
@@ -387,7 +401,7 @@ class Entry(NamedTuple):
     if any(a.type in (COMPRESSOR, METHOD) for a in self.args):
       required = [a.name.upper() for a in self.args if a.required]
       optional = [f"{a.name}=.." for a in self.args if not a.required]
-      tail = f"[, {', '.join(optional)}]" if optional else ""
+      tail = f"[{', ' if required else ''}{', '.join(optional)}]" if optional else ""
       text = f"{self.name}({', '.join(required)}{tail})"
       if self.prefix:
         text += f" or {self.prefix}{'_'.join(required) or 'X'}"

@@ -74,13 +74,17 @@ def make_schedule(config: Config) -> optax.Schedule:
   return optax.piecewise_constant_schedule(config.lr, {s: factor for s in steps})
 
 
-def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """The communicating transformation first, then the local optimizer (with
-  :func:`make_schedule`'s learning rate)."""
+def local_optimizer(config: Config) -> optax.GradientTransformation:
+  """The config's local optimizer (sgd with momentum, or adam) with
+  :func:`make_schedule`'s learning rate."""
   lr = make_schedule(config) if config.lr_schedule != "constant" else config.lr
-  local = (optax.sgd(lr, momentum=config.momentum or None) if config.optimizer == "sgd"
-           else optax.adam(lr))
-  return optax.chain(comm_tx, local)
+  return (optax.sgd(lr, momentum=config.momentum or None) if config.optimizer == "sgd"
+          else optax.adam(lr))
+
+
+def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """The communicating transformation first, then :func:`local_optimizer`."""
+  return optax.chain(comm_tx, local_optimizer(config))
 
 
 def evaluate(step_fn: TrainStep, state: TrainState, x: np.ndarray, y: np.ndarray,
@@ -140,13 +144,12 @@ def build(config: Config):
     model_kwargs.setdefault("vocab_size", dataset.vocab_size)
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
   model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
-  comm_tx = method.tx if method.tx is not None else optax.identity()
   if config.per_site > 1:
     placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site),
                  "shard_params": config.shard_params}
   else:
     placement = {"num_sites": config.num_sites}
-  step_fn = make_train_step(model, make_optimizer(config, comm_tx), **placement,
+  step_fn = make_train_step(model, method.optimizer(local_optimizer(config)), **placement,
                             backend=config.backend,
                             batch_stage=getattr(method, "batch_stage", None))
   return dataset, parts, batcher, step_fn

@@ -13,7 +13,8 @@ from dadjax.config import Config, load_config, parse_lr_schedule
 from dadjax.errors import ConfigError
 from dadjax.methods import build_method
 from dadjax.registry import SpecError, describe
-from dadjax.train import make_optimizer, make_schedule, train
+from dadjax.parallel import make_train_step
+from dadjax.train import build, local_optimizer, make_optimizer, make_schedule, train
 
 # 512 examples over 4 sites x 8 rows: 16 steps per epoch.
 SMALL = dict(dataset="synthetic", dataset_kwargs={"num_train": 512, "num_test": 64},
@@ -45,6 +46,33 @@ def test_other_builders_ignore_the_run_facts():
   sched = optax.constant_schedule(0.1)
   for spec in ("allreduce", "topk:0.1", "ef(topk:0.1)", "rank_dad:2"):
     assert build_method(spec, steps_per_epoch=4, lr_schedule=sched).name == spec
+
+
+def test_batch_mode_as_a_method_equals_the_hand_built_wrapper():
+  assert "accordion_batch(METHOD[, small=.., large=.., window=.., interval=.., eta=..])" in (
+      describe())
+  config = Config(**{**SMALL, "eval_every": 12}, steps=12,
+                  method="accordion_batch(topk:0.5, 1, 3, window=4)")
+  run = train(config, progress=False)
+  # The same run composed by hand: the whole chain (compressor + local SGD) inside the wrapper.
+  dataset, _, batcher, built = build(config)
+  inner = build_method("topk:0.5")
+  tx = A.accordion_batch(optax.chain(inner.tx, local_optimizer(config)), 1, 3, window=4)
+  step = make_train_step(built.model, tx, num_sites=4, backend="vmap")
+  state = step.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+  for t in range(12):
+    x, y = batcher.batch_at(t)
+    state, _ = step(state, {"x": x, "y": y})
+  for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(step.params(state))):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  row = run.final
+  # Fewer updates than micro-steps: the collective and the optimizer ran once per cycle.
+  assert row["accordion_batch/micro"] == 12 and 4 <= row["accordion_batch/updates"] < 12
+  for bad, what in (("accordion_batch(allreduce, 4, 1)", "large must be an int >= small=4"),
+                    ("accordion_batch(dad)", "wraps optimizer-side methods"),
+                    ("accordion_batch(topk:0.1, 0)", r"small must be an int in \[1")):
+    with pytest.raises(SpecError, match=what):
+      build_method(bad)
 
 
 # -- the step learning-rate decay ----------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_bad_specs_name_the_argument(spec, why):
 
 def test_methods_listing_has_dataquant():
   text = registry.describe()  # what `dadjax methods` prints
-  assert "[dataquant] methods" in text and "dataquant([, bits=.., correct=.., gate=.." in text
+  assert "[dataquant] methods" in text and "dataquant([bits=.., correct=.., gate=.." in text
 
 
 def test_training_rows_report_stage_bits_and_compute():

@@ -1,11 +1,15 @@
-"""Accordion as a method spec: ``accordion(LOW, HIGH, window=.., interval=.., eta=..)``."""
+"""Accordion as method specs: ``accordion(LOW, HIGH, ...)`` and ``accordion_batch(METHOD, ...)``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
+import optax
+
 from dadjax.adaptive._accordion import accordion
-from dadjax.registry import COMPRESSOR, Arg, Method, register_method
+from dadjax.adaptive._batch import accordion_batch
+from dadjax.registry import COMPRESSOR, METHOD, Arg, Method, register_method
 
 
 @register_method(
@@ -41,3 +45,51 @@ def _accordion(
     window = steps_per_epoch if steps_per_epoch is not None else 1
   return Method("", tx=accordion(low, high, window=window, interval=interval, eta=eta,
                                  lr_schedule=lr_schedule, axis_name=axis_name, seed=seed))
+
+
+@register_method(
+    "accordion_batch",
+    Arg("method", METHOD, doc="the optimizer-side method run once per update (allreduce, a "
+        "compressor spec)"),
+    Arg("small", int, within="[1, inf)", doc="micro-batches per update in critical regimes"),
+    Arg("large", int, within="[1, inf)", doc="micro-batches per update otherwise (>= small)"),
+    Arg("window", int, within="[1, inf)", positional=False,
+        doc="micro-steps per detector window (none: the run's steps per epoch)"),
+    Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
+    Arg("eta", float, within="(0, inf)", positional=False,
+        doc="critical when the whole-model norm changes by this fraction"),
+    doc="Accordion's batch-size mode: SMALL micro-batches per update while critical, else LARGE",
+)
+def _accordion_batch(
+    method: Method,
+    small: int = 1,
+    large: int = 8,
+    window: int | None = None,
+    interval: int = 1,
+    eta: float = 0.5,
+    *,
+    axis_name: str | None = "data",
+    seed: int = 0,
+    steps_per_epoch: int | None = None,
+    lr_schedule: Callable[[Any], Any] | None = None,
+) -> Method:
+  """:func:`~dadjax.adaptive.accordion_batch` around the whole optimizer.
+
+  The method's transformation *and the local optimizer* run once per
+  cycle of ``k`` micro-steps (``Method.wrap``), so neither momentum nor the
+  collective act on steps that only accumulate. ``window`` defaults to the
+  run's steps per epoch; a decrease of ``lr_schedule`` makes the regime
+  critical until the next check.
+  """
+  del seed
+  if method.dense is not None or method.batch_stage is not None:
+    raise ValueError(f"it wraps optimizer-side methods (allreduce, compressors); "
+                     f"{method.name or 'this method'} communicates in the backward pass or the "
+                     "batch stage, which would still run every micro-step")
+  if window is None:
+    window = steps_per_epoch if steps_per_epoch is not None else 1
+  wrap = functools.partial(accordion_batch, small=small, large=large, window=window,
+                           interval=interval, eta=eta, lr_schedule=lr_schedule,
+                           axis_name=axis_name)
+  wrap(optax.identity())  # check the hyperparameters now, not when the run builds its optimizer
+  return Method("", tx=method.tx, wrap=wrap)
