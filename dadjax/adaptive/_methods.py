@@ -12,15 +12,29 @@ from dadjax.adaptive._batch import accordion_batch
 from dadjax.registry import COMPRESSOR, METHOD, Arg, Method, register_method
 
 
+def _detector_args(steps: str, statistic: str) -> tuple[Arg, ...]:
+  """The detector's keyword arguments, shared by both Accordion specs."""
+  return (
+      Arg("window", int, within="[1, inf)", positional=False,
+          doc=f"{steps} per detector window (none: the run's steps per epoch)"),
+      Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
+      Arg("eta", float, within="(0, inf)", positional=False,
+          doc=f"critical when the {statistic} changes by this fraction"),
+  )
+
+
+def _window(window: int | None, steps_per_epoch: int | None) -> int:
+  """The detector window: as given, else the run's epoch, else 1."""
+  if window is not None:
+    return window
+  return steps_per_epoch if steps_per_epoch is not None else 1
+
+
 @register_method(
     "accordion",
     Arg("low", COMPRESSOR, doc="the low-compression setting, sent in critical regimes"),
     Arg("high", COMPRESSOR, doc="the high-compression setting, sent otherwise"),
-    Arg("window", int, within="[1, inf)", positional=False,
-        doc="steps per detector window (none: the run's steps per epoch)"),
-    Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
-    Arg("eta", float, within="(0, inf)", positional=False,
-        doc="critical when the window norm changes by this fraction"),
+    *_detector_args("steps", "window norm"),
     doc="Accordion: per tensor, LOW while the gradient norm changes fast (critical), else HIGH",
 )
 def _accordion(
@@ -41,9 +55,8 @@ def _accordion(
   and a learning-rate decrease of ``lr_schedule`` makes every tensor
   critical until the next check.
   """
-  if window is None:
-    window = steps_per_epoch if steps_per_epoch is not None else 1
-  return Method("", tx=accordion(low, high, window=window, interval=interval, eta=eta,
+  return Method("", tx=accordion(low, high, window=_window(window, steps_per_epoch),
+                                 interval=interval, eta=eta,
                                  lr_schedule=lr_schedule, axis_name=axis_name, seed=seed))
 
 
@@ -53,11 +66,7 @@ def _accordion(
         "compressor spec)"),
     Arg("small", int, within="[1, inf)", doc="micro-batches per update in critical regimes"),
     Arg("large", int, within="[1, inf)", doc="micro-batches per update otherwise (>= small)"),
-    Arg("window", int, within="[1, inf)", positional=False,
-        doc="micro-steps per detector window (none: the run's steps per epoch)"),
-    Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
-    Arg("eta", float, within="(0, inf)", positional=False,
-        doc="critical when the whole-model norm changes by this fraction"),
+    *_detector_args("micro-steps", "whole-model norm"),
     doc="Accordion's batch-size mode: SMALL micro-batches per update while critical, else LARGE",
 )
 def _accordion_batch(
@@ -86,9 +95,8 @@ def _accordion_batch(
     raise ValueError(f"it wraps optimizer-side methods (allreduce, compressors); "
                      f"{method.name or 'this method'} communicates in the backward pass or the "
                      "batch stage, which would still run every micro-step")
-  if window is None:
-    window = steps_per_epoch if steps_per_epoch is not None else 1
-  wrap = functools.partial(accordion_batch, small=small, large=large, window=window,
+  wrap = functools.partial(accordion_batch, small=small, large=large,
+                           window=_window(window, steps_per_epoch),
                            interval=interval, eta=eta, lr_schedule=lr_schedule,
                            axis_name=axis_name)
   wrap(optax.identity())  # check the hyperparameters now, not when the run builds its optimizer
