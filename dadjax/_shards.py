@@ -2,44 +2,128 @@
 
 With ``make_train_step(..., shard_params=True)`` on a 2-D mesh, every
 device of a site holds only a slice of each parameter, of its optimizer
-state and of the site's averaged gradient. A method that acts on each
+state and of the site's averaged gradient. A compressor that acts on each
 entry on its own (all-reduce, casting, signSGD's majority vote, error
-feedback around them, elementwise optimizers) runs unchanged on the slice
-and gives the replicated result. A method that needs a whole tensor
-(TopK's selection, a norm or a scale per tensor, PowerSGD's matrices,
-Accordion's per-tensor norms) would silently compute on the slice; those
-call :func:`require_whole_leaves`, which refuses while the step with
-sharded parameters is being traced.
+feedback around them, elementwise optimizers) runs unchanged on the slice.
+A compressor that needs a statistic of the whole tensor (a norm, a maximum,
+a mean) or random draws tied to the whole tensor computes them with the
+helpers here: :func:`whole_sum` / :func:`whole_max` reduce a slice's
+statistic over the site's devices, :func:`whole_size` counts the whole
+tensor and :func:`slice_uniform` draws this slice of the whole tensor's
+uniform noise, so the result equals the replicated layout's. Outside a
+sharded step (or for a leaf kept whole) every helper is the plain local
+computation. A method that needs the whole tensor itself (TopK's
+selection, PowerSGD's matrices, Accordion's per-tensor norms) calls
+:func:`require_whole_leaves`, which refuses in a sharded step.
 
 This is trace-time Python state (the step enters :func:`sharded_parameters`
-around the code it traces), so the check costs nothing at run time.
+around the code it traces; :func:`~dadjax.compress.leafwise` enters
+:func:`current_leaf` around each leaf), so it costs nothing at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import math
+from typing import Iterator, Mapping, NamedTuple
 
-# Stack of the in-site axes of the steps being traced with sharded parameters.
-_ACTIVE: list[tuple[str, ...]] = []
+import jax
 
-SHARDABLE_METHODS = ("allreduce", "identity / fp32", "cast / bf16 / fp16", "sign",
-                     "ef(...) of these", "dad / auto_dad / rank_dad (layers see whole kernels)")
+# Stack of (in-site axes, {leaf path: sharded dimension or None}) of the sharded steps being traced.
+_ACTIVE: list[tuple[tuple[str, ...], Mapping[str, int | None]]] = []
+# Stack of the leaf paths being compressed.
+_LEAVES: list[str] = []
+
+SHARDABLE_METHODS = ("allreduce", "identity / fp32", "cast / bf16 / fp16", "sign", "scaled_sign",
+                     "terngrad", "qsgd (without bucket_size)", "ef(...) of these",
+                     "dad / auto_dad / rank_dad (layers see whole kernels)")
+
+
+class LeafShard(NamedTuple):
+  """How the leaf being compressed is split: over ``axes``, along dimension ``dim``."""
+
+  axes: tuple[str, ...]
+  dim: int
 
 
 @contextlib.contextmanager
-def sharded_parameters(axes: tuple[str, ...]) -> Iterator[None]:
-  """Within this context, gradients and parameters are slices over ``axes``."""
-  _ACTIVE.append(tuple(axes))
+def sharded_parameters(axes: tuple[str, ...],
+                       dims: Mapping[str, int | None] | None = None) -> Iterator[None]:
+  """Within this context, parameters and gradients are slices over ``axes``.
+
+  Args:
+    axes: the in-site mesh axes.
+    dims: leaf path (``"['hidden_0']['kernel']"``) -> the sharded dimension,
+      or ``None`` for a leaf kept whole on every device.
+  """
+  _ACTIVE.append((tuple(axes), dict(dims or {})))
   try:
     yield
   finally:
     _ACTIVE.pop()
 
 
+@contextlib.contextmanager
+def current_leaf(path: str) -> Iterator[None]:
+  """Within this context, :func:`leaf_shard` describes the leaf at ``path``."""
+  _LEAVES.append(path)
+  try:
+    yield
+  finally:
+    _LEAVES.pop()
+
+
 def shard_axes() -> tuple[str, ...] | None:
   """The in-site axes parameters are sharded over, or ``None`` (whole tensors)."""
-  return _ACTIVE[-1] if _ACTIVE else None
+  return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def leaf_shard() -> LeafShard | None:
+  """The current leaf's slicing, or ``None`` when it is whole on this device."""
+  if not _ACTIVE or not _LEAVES:
+    return None
+  axes, dims = _ACTIVE[-1]
+  path = _LEAVES[-1]
+  if path not in dims:
+    raise ValueError(f"leaf {path} is not a parameter of the sharded step (parameters: "
+                     f"{sorted(dims)}); a compressor on sharded parameters must see the "
+                     "gradients with the parameters' paths")
+  return None if dims[path] is None else LeafShard(axes, dims[path])
+
+
+def whole_sum(value: jax.Array) -> jax.Array:
+  """A slice's sum made the whole leaf's (``psum`` over the site's devices when sliced)."""
+  shard = leaf_shard()
+  return value if shard is None else jax.lax.psum(value, shard.axes)
+
+
+def whole_max(value: jax.Array) -> jax.Array:
+  """A slice's maximum made the whole leaf's (``pmax`` when sliced)."""
+  shard = leaf_shard()
+  return value if shard is None else jax.lax.pmax(value, shard.axes)
+
+
+def whole_size(size: int) -> int:
+  """The whole leaf's number of entries, from the slice's ``size``."""
+  shard = leaf_shard()
+  return size if shard is None else size * jax.lax.axis_size(shard.axes)
+
+
+def slice_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``uniform(key)`` noise of shape ``shape`` that is this slice of the whole leaf's noise.
+
+  Whole: ``uniform(key, (size,)).reshape(shape)``. Sliced: the same draw for
+  the whole leaf, cut to this device's slice, so every entry gets the
+  number it gets in the replicated layout.
+  """
+  shard = leaf_shard()
+  if shard is None:
+    return jax.random.uniform(key, (math.prod(shape),)).reshape(shape)
+  n = jax.lax.axis_size(shard.axes)
+  whole = tuple(s * n if i == shard.dim else s for i, s in enumerate(shape))
+  noise = jax.random.uniform(key, (math.prod(whole),)).reshape(whole)
+  start = jax.lax.axis_index(shard.axes) * shape[shard.dim]
+  return jax.lax.dynamic_slice_in_dim(noise, start, shape[shard.dim], axis=shard.dim)
 
 
 def require_whole_leaves(method: str) -> None:
@@ -51,9 +135,11 @@ def require_whole_leaves(method: str) -> None:
   if _ACTIVE:
     raise ValueError(
         f"{method} needs each parameter's whole tensor, but make_train_step(shard_params=True) "
-        f"gives every device of a site a slice of it over {_ACTIVE[-1]}; use shard_params="
+        f"gives every device of a site a slice of it over {_ACTIVE[-1][0]}; use shard_params="
         f"False for {method}. Methods that support sharded parameters: "
         f"{', '.join(SHARDABLE_METHODS)}")
 
 
-__all__ = ["SHARDABLE_METHODS", "require_whole_leaves", "shard_axes", "sharded_parameters"]
+__all__ = ["LeafShard", "SHARDABLE_METHODS", "current_leaf", "leaf_shard", "require_whole_leaves",
+           "shard_axes", "sharded_parameters", "slice_uniform", "whole_max", "whole_size",
+           "whole_sum"]

@@ -11,10 +11,16 @@
 - **Metered collectives**: :func:`metered_psum`, :func:`metered_pmean`,
   :func:`metered_all_gather`, and for parameters sharded within a site
   :func:`metered_gather_shards` / :func:`metered_mean_scatter`, return
-  ``(result, Traffic)``; a method that needs whole tensors calls
-  :func:`require_whole_leaves` (it refuses under ``shard_params=True``);
-  :class:`Traffic`, :data:`NO_TRAFFIC`, :func:`traffic_add`. Every new
-  collective goes through them, so the ledger counts what was sent.
+  ``(result, Traffic)``; :class:`Traffic`, :data:`NO_TRAFFIC`,
+  :func:`traffic_add`. Every new collective goes through them, so the
+  ledger counts what was sent.
+- **Sharded parameters** (``make_train_step(..., shard_params=True)``): a
+  compressor that sets ``shardable=True`` takes a sliced leaf's
+  whole-tensor statistics and noise from :func:`whole_sum`,
+  :func:`whole_max`, :func:`whole_size` and :func:`slice_uniform`
+  (:func:`leaf_shard` says how the current leaf is cut, :func:`shard_axes`
+  over which axes); a method that needs the whole tensor calls
+  :func:`require_whole_leaves`, which refuses in a sharded step.
 - **Sites**: :func:`axis_size`, :func:`site_index`, :func:`sum_over_sites`,
   :func:`mean_over_sites`, :func:`gather_sites`.
 - **The ledger**: :func:`ledger_init`, :func:`ledger_record`,
@@ -33,7 +39,8 @@
   :func:`current_state`.
 """
 
-from dadjax._shards import require_whole_leaves, shard_axes
+from dadjax._shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
+                             whole_max, whole_size, whole_sum)
 from dadjax.comm import (
     FP32_BITS,
     NO_TRAFFIC,
@@ -104,7 +111,10 @@ __all__ = [
     "bits_zero", "host_array", "tree_bits",
     # metered collectives
     "Traffic", "NO_TRAFFIC", "metered_all_gather", "metered_gather_shards", "metered_mean_scatter",
-    "metered_pmean", "metered_psum", "traffic_add", "require_whole_leaves", "shard_axes",
+    "metered_pmean", "metered_psum", "traffic_add",
+    # parameters sharded within a site
+    "require_whole_leaves", "shard_axes", "leaf_shard", "whole_sum", "whole_max", "whole_size",
+    "slice_uniform",
     # sites
     "axis_size", "gather_sites", "mean_over_sites", "site_index", "sum_over_sites",
     # the ledger

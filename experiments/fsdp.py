@@ -38,7 +38,7 @@ from dadjax.comm import comm_stats, wire_bits  # noqa: E402
 from dadjax.methods import build_method  # noqa: E402
 from dadjax.models import MLP  # noqa: E402
 
-METHODS = ("allreduce", "bf16", "ef(sign)", "dad")
+METHODS = ("allreduce", "bf16", "ef(sign)", "ef_scaled_sign", "terngrad", "dad")
 
 
 def _device_bytes(tree) -> int:

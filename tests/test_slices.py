@@ -3,11 +3,15 @@ import pathlib
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dadjax
+from dadjax import extend
+from dadjax._shards import LeafShard, current_leaf, sharded_parameters
 from dadjax.comm import HierarchicalNetwork, NetworkModel, collective_ops
 from dadjax.methods import build_method
 from dadjax.models import MLP
@@ -226,7 +230,8 @@ def test_shard_dims_split_the_largest_divisible_dimension():
 @pytest.mark.parametrize("spec,shape,opt", [
     ("allreduce", (2, 4), None), ("allreduce", (4, 2), lambda: optax.adam(1e-2)),
     ("bf16", (2, 4), None), ("ef(sign)", (2, 4), None), ("dad", (2, 4), None),
-    ("rank_dad:2", (4, 2), None),
+    ("rank_dad:2", (4, 2), None), ("ef_scaled_sign", (2, 4), None), ("terngrad", (2, 4), None),
+    ("qsgd:4", (4, 2), None),
 ])
 def test_sharded_params_train_like_replicated_params(spec, shape, opt):
   (ts, state, metrics), (ref_ts, ref_state, ref_metrics) = _sharded_pair(spec, shape, opt)
@@ -273,8 +278,8 @@ def test_sharded_params_hlo_and_ledger_agree():
 
 
 @pytest.mark.parametrize("spec,name", [
-    ("topk:0.25", "topk"), ("powersgd:2", "powersgd"), ("qsgd:8", "qsgd"),
-    ("randomk:0.25", "randomk"), ("ef_scaled_sign", "ef_scaled_sign"),
+    ("topk:0.25", "topk"), ("powersgd:2", "powersgd"), ("qsgd:8:16", "qsgd"),
+    ("randomk:0.25", "randomk"), ("ef_topk:0.25", "ef_topk"),
     ("accordion(topk:0.5,topk:0.25)", "accordion"),
 ])
 def test_methods_that_need_whole_tensors_refuse_sharded_params(spec, name):
@@ -309,3 +314,34 @@ def test_shard_params_argument_errors():
   from dadjax.errors import ConfigError
   with pytest.raises(ConfigError, match="shard_params=True .* needs config.per_site >= 2"):
     Config(num_sites=2, shard_params=True)
+
+
+def test_whole_tensor_helpers_equal_the_unsharded_computation():
+  mesh = dadjax.make_mesh(sites=2, per_site=4)
+  x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype(np.float32)  # (sites, 6, 8)
+  key = jax.random.key(3)
+
+  def per_device(block):
+    block = block[0]  # this device's (6, 2) slice of its site's (6, 8) leaf
+    with sharded_parameters(("replica",), {"['w']": 1}):
+      with current_leaf("['w']"):
+        assert extend.leaf_shard() == LeafShard(("replica",), 1)
+        out = (extend.whole_sum(jnp.sum(block)), extend.whole_max(jnp.max(block)),
+               extend.whole_size(block.size), extend.slice_uniform(key, block.shape))
+      with current_leaf("['b']"):
+        with pytest.raises(ValueError, match=r"leaf \['b'\] is not a parameter"):
+          extend.leaf_shard()
+    return jax.tree.map(lambda v: jnp.asarray(v)[None], out)
+
+  sums, maxes, sizes, noise = jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=P("data", None, "replica"),
+      out_specs=(P("data"), P("data"), P("data"), P("data", None, "replica")),
+      check_vma=False))(x)
+  np.testing.assert_allclose(np.asarray(sums), x.sum(axis=(1, 2)), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(maxes), x.max(axis=(1, 2)))
+  assert np.asarray(sizes).tolist() == [48, 48]
+  whole = np.asarray(jax.random.uniform(key, (48,)).reshape(6, 8))
+  np.testing.assert_array_equal(np.asarray(noise)[0], whole)  # the slices tile the whole draw
+  # Outside a sharded step every helper is the local computation.
+  assert extend.leaf_shard() is None and extend.whole_size(7) == 7
+  np.testing.assert_array_equal(np.asarray(extend.slice_uniform(key, (6, 8))), whole)

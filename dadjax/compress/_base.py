@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dadjax._shards import current_leaf
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
 from dadjax.comm import (Bits, Traffic, axis_size, metered_all_gather, metered_psum,  # noqa: F401
                          site_index)
@@ -134,11 +135,12 @@ class Compressor(NamedTuple):
       :func:`~dadjax.compress.error_feedback` returned); wrapping it in
       ``error_feedback`` again then returns it unchanged.
     name: the method's name (error messages and key separation).
-    elementwise: ``True`` when each entry's result depends on that entry
-      alone (no selection, norm or scale over a tensor, no per-entry random
-      draw tied to the tensor's size): the compressor then runs unchanged on
-      parameters sharded within a site (``make_train_step(...,
-      shard_params=True)``); other compressors refuse there.
+    shardable: ``True`` when the compressor runs on slices of parameters
+      sharded within a site (``make_train_step(..., shard_params=True)``)
+      and gives the replicated layout's result: it acts on each entry alone,
+      or takes its whole-tensor statistics and noise from
+      :mod:`dadjax._shards` (``whole_sum``, ``whole_max``, ``whole_size``,
+      ``slice_uniform``). Other compressors refuse there.
   """
 
   init: Callable[[Any], Any]
@@ -150,7 +152,7 @@ class Compressor(NamedTuple):
   exchange: Callable[[Any, Any, Any, str | None], Exchanged] | None = None
   memory: bool = False
   name: str = ""
-  elementwise: bool = False
+  shardable: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -215,7 +217,7 @@ def leafwise(
     aggregate_leaf: Callable[[Any, Any, Keys], jax.Array] | None = None,
     *,
     name: str = "",
-    elementwise: bool = False,
+    shardable: bool = False,
 ) -> Compressor:
   """A stateless compressor applied to each leaf separately.
 
@@ -235,7 +237,7 @@ def leafwise(
     aggregate_leaf: ``(gathered leaf payload, like_leaf, keys) -> x`` or
       ``None`` (mean of decompressions).
     name: the method's name, folded into the keys.
-    elementwise: the compressor's ``elementwise`` flag (see :class:`Compressor`).
+    shardable: the compressor's ``shardable`` flag (see :class:`Compressor`).
 
   Returns:
     A :class:`Compressor`.
@@ -252,9 +254,12 @@ def leafwise(
     key = as_keys(key)
     check_float_leaves(grads, what)
     leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-    payload = tuple(() if math.prod(jnp.shape(x)) == 0
-                    else compress_leaf(x, leaf_keys(key, leaf_path(p), name)) for p, x in leaves)
-    return payload, state
+    payload = []
+    for p, x in leaves:
+      with current_leaf(leaf_path(p)):  # whole-tensor statistics of a sharded leaf (dadjax._shards)
+        payload.append(() if math.prod(jnp.shape(x)) == 0
+                       else compress_leaf(x, leaf_keys(key, leaf_path(p), name)))
+    return tuple(payload), state
 
   def mean_leaf(gathered, like, key):
     per_site = jax.vmap(lambda p: decompress_leaf(p, like, key))(gathered)
@@ -275,7 +280,7 @@ def leafwise(
 
   aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
   return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
-                    aggregate, name=name, elementwise=elementwise)
+                    aggregate, name=name, shardable=shardable)
 
 
 def check_ratio(name: str, value) -> float:

@@ -63,7 +63,7 @@ def cast(dtype="bf16") -> Compressor:
     return payload.astype(like.dtype)
 
   return leafwise(compress_leaf, decompress_leaf, "reduce", name=f"cast_{wire.name}",
-                  elementwise=True)
+                  shardable=True)
 
 
 @register_compressor("identity", aliases=("fp32",))

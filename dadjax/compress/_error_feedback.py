@@ -89,5 +89,5 @@ def error_feedback(compressor: Compressor) -> Compressor:
       exchange=exchange_fn,
       memory=True,
       name=f"ef_{compressor.name}" if compressor.name else "error_feedback",
-      elementwise=compressor.elementwise,  # the memory update is elementwise
+      shardable=compressor.shardable,  # the memory update is elementwise
   )

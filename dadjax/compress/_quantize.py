@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._linalg import safe_norm
+from dadjax._shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
 from dadjax.compress._base import Compressor, check_int, leafwise
 from dadjax.compress._packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
@@ -32,6 +33,20 @@ def _size(like) -> int:
 
 def _signed(magnitude, negative):
   return jnp.where(negative, -magnitude, magnitude)
+
+
+def _whole_norm(flat: jax.Array) -> jax.Array:
+  """The whole tensor's Euclidean norm, without underflow of the squares.
+
+  :func:`~dadjax._linalg.safe_norm` of the leaf; for a slice of a sharded
+  leaf the same ``s * ||x / s||`` with ``s`` and the sum of squares taken
+  over the whole tensor.
+  """
+  if leaf_shard() is None:
+    return safe_norm(flat)
+  top = whole_max(jnp.max(jnp.abs(flat)))
+  safe = jnp.where(top > 0, top, 1.0)
+  return jnp.sqrt(whole_sum(jnp.sum(jnp.square(flat / safe)))) * top
 
 
 @register_compressor("qsgd", Arg("levels", int, within="[1, inf)", doc="non-zero levels s"),
@@ -74,12 +89,17 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
   def compress_leaf(x, key):
     flat = x.reshape(-1).astype(jnp.float32)
     d = flat.shape[0]
-    b, nb = _buckets(d)
-    v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
-    norm = jnp.linalg.norm(v, axis=1)
+    if bucket_size is None:  # one norm per tensor: a sharded slice takes the whole tensor's
+      v, norm = flat[None], jnp.sqrt(whole_sum(jnp.sum(jnp.square(flat))))[None]
+      noise = slice_uniform(key.site, x.shape).reshape(v.shape)
+    else:  # buckets run across slices: not shardable (the flag below)
+      b, nb = _buckets(d)
+      v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
+      norm = jnp.linalg.norm(v, axis=1)
+      noise = jax.random.uniform(key.site, v.shape)
     scaled = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0)[:, None] * s
     lower = jnp.floor(scaled)
-    up = jax.random.uniform(key.site, v.shape) < scaled - lower
+    up = noise < scaled - lower
     level = jnp.minimum(lower + up, s).astype(jnp.uint32)
     codes = (level << 1) | (v < 0).astype(jnp.uint32)
     words = pack_bits(codes.reshape(-1)[:d], bits)
@@ -94,7 +114,8 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
     magnitude = (codes >> 1).astype(jnp.float32) * (norm / s)
     return _signed(magnitude, (codes & 1) == 1).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd",
+                  shardable=bucket_size is None)
 
 
 @register_compressor("terngrad", Arg("clip", float, within="(0, inf)", doc="clip at clip * std"))
@@ -131,10 +152,11 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
   def compress_leaf(x, key):
     flat = x.reshape(-1).astype(jnp.float32)
     if clip is not None:
-      bound = clip * safe_norm(flat) / math.sqrt(flat.size)  # no underflow of g^2
+      bound = clip * _whole_norm(flat) / math.sqrt(whole_size(flat.size))  # no underflow of g^2
       flat = jnp.clip(flat, -bound, bound)
-    scale = jnp.max(jnp.abs(flat))
-    keep = jax.random.uniform(key.site, flat.shape) < jnp.abs(flat) / jnp.where(scale > 0, scale, 1.0)
+    scale = whole_max(jnp.max(jnp.abs(flat)))
+    noise = slice_uniform(key.site, x.shape).reshape(-1)
+    keep = noise < jnp.abs(flat) / jnp.where(scale > 0, scale, 1.0)
     codes = keep.astype(jnp.uint32) | ((flat < 0).astype(jnp.uint32) << 1)
     return QuantizedPayload(scale, pack_bits(codes, 2))
 
@@ -144,7 +166,7 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
     magnitude = (codes & 1).astype(jnp.float32) * p.scale
     return _signed(magnitude, (codes >> 1) == 1).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad", shardable=True)
 
 
 def _sign_codes(x):
@@ -189,7 +211,7 @@ def sign() -> Compressor:
     return jnp.sign(n - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
   return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
-                  elementwise=True)
+                  shardable=True)
 
 
 @register_compressor("scaled_sign")
@@ -211,12 +233,13 @@ def scaled_sign() -> Compressor:
 
   def compress_leaf(x, key):
     del key
-    scale = jnp.mean(jnp.abs(x.astype(jnp.float32)))
-    return QuantizedPayload(scale, pack_bits(_sign_codes(x), 1))
+    total = whole_sum(jnp.sum(jnp.abs(x.astype(jnp.float32))))
+    return QuantizedPayload(total / whole_size(x.size), pack_bits(_sign_codes(x), 1))
 
   def decompress_leaf(p, like, key):
     del key
     negative = unpack_bits(p.words, 1, _size(like)) == 1
     return _signed(p.scale, negative).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign")
+  return leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign",
+                  shardable=True)

@@ -84,7 +84,7 @@ def compressed(
 
   def update_fn(updates, state, params=None):
     del params
-    if not compressor.elementwise:
+    if not compressor.shardable:
       require_whole_leaves(compressor.name or "this compressor")
     specs.check(updates)
     check_float_leaves(updates, "compressed")

@@ -91,7 +91,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dadjax._shards import sharded_parameters
-from dadjax._tree_utils import tree_nbits
+from dadjax._tree_utils import leaf_path, tree_nbits
 from dadjax.comm import (
     CommStats,
     NO_TRAFFIC,
@@ -200,6 +200,13 @@ def shard_dims(params: Any, per_site: int) -> Any:
     return max(fits, key=lambda i: (shape[i], -i)) if fits and per_site > 1 else None
 
   return jax.tree.map(dim, params)
+
+
+def _dims_by_path(params: Any, dims: Any) -> dict[str, int | None]:
+  """:func:`shard_dims` keyed by leaf path (what the compressors look up)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {leaf_path(path): d for (path, _), d in zip(
+      leaves, jax.tree.structure(params).flatten_up_to(dims))}
 
 
 def _average_in_site(grads: Any, inner, dims: Any):
@@ -637,7 +644,8 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
       model_state = {**dict(state.model_state), **synced_local}
       intra = traffic_add(intra, t, t2)
       stage_state = _invariant_stage_state(stage_state, inner)
-    with sharded_parameters(inner) if dims is not None else contextlib.nullcontext():
+    with (sharded_parameters(inner, _dims_by_path(state.params, dims)) if dims is not None
+          else contextlib.nullcontext()):
       updates, opt_state = tx.update(grads, state.opt_state, state.params, **result.extra_args)
     params = optax.apply_updates(state.params, updates)
     synced = {k: model_state[k] for k in average if k in model_state}
@@ -780,12 +788,15 @@ def make_train_step(
   parameters, split over its devices' links instead of repeated on each
   (the ledger is per device, as always). Supported, and equal to the
   replicated layout: ``allreduce``, ``identity`` / ``cast`` / ``bf16`` /
-  ``fp16``, ``sign``, ``ef(...)`` of these, dAD and rank-dAD layers (they
-  see whole kernels), and elementwise optax optimizers (sgd, momentum,
-  adam, adamw). Compressors that need a whole tensor (TopK, RandomK, QSGD,
-  TernGrad, scaled sign, PowerSGD) and Accordion raise a ``ValueError``
-  naming the method when the step is first traced, before any state
-  changes; a batch stage is refused here. Optax transformations that reduce
+  ``fp16``, ``sign``, ``scaled_sign``, ``terngrad``, ``qsgd`` without
+  ``bucket_size`` (their norms, maxima and noise are the whole tensor's, via
+  :mod:`dadjax._shards`; each device's payload carries the tensor's scale),
+  ``ef(...)`` of these, dAD and rank-dAD layers (they see whole kernels),
+  and elementwise optax optimizers (sgd, momentum, adam, adamw). Methods
+  that need a whole tensor (TopK's and RandomK's selections, QSGD's
+  buckets, PowerSGD's matrices, Accordion) raise a ``ValueError`` naming
+  the method when the step is first traced, before any state changes; a
+  batch stage is refused here. Optax transformations that reduce
   over a whole tensor or tree (``clip_by_global_norm``, LAMB's trust ratio,
   Adafactor's factored moments) would see only the device's slice: leave
   them out with sharded parameters.
