@@ -16,7 +16,8 @@ import dadjax
 from dadjax import cli, compress, registry
 from dadjax.methods import build_method
 from dadjax.models import MLP
-from dadjax.registry import COMPRESSOR, Arg, Method, Spec, SpecError, format_spec, parse_spec
+from dadjax.registry import (COMPRESSOR, METHOD, Arg, Method, Spec, SpecError, format_spec,
+                             parse_spec)
 
 S = Spec
 
@@ -195,6 +196,8 @@ def test_legacy_and_nested_error_feedback_are_the_same():
 def _example(arg):
   if arg.type is COMPRESSOR:
     return "topk:0.5"
+  if arg.type is METHOD:
+    return "allreduce"
   if arg.type is bool:
     return "true"
   if arg.type is str:
@@ -238,8 +241,9 @@ def test_every_registered_method_builds_and_updates(spec):
     return
   grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
                        params)
-  state = method.tx.init(params)
-  updates, state = jax.jit(method.tx.update)(grads, state, params)
+  tx = method.optimizer(optax.sgd(0.1))  # the method's chain, under its wrap if it has one
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(grads, state, params)
   chex.assert_trees_all_equal_shapes(updates, params)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
   assert dadjax.comm_stats(state) is not None
