@@ -6,6 +6,9 @@ import optax
 import dadjax
 
 STEPS = 3
+# A training run both sides make through dadjax.train (8 sites: one per global device).
+TRAIN_CONFIG = dict(num_sites=8, batch_per_site=4, eval_every=2, checkpoint_every=2,
+                    model_kwargs={"hidden": [16]}, method="ef_topk:0.5")
 
 
 class Net(nn.Module):

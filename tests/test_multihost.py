@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dadjax
-from multihost_common import STEPS, make_problem
+from multihost_common import STEPS, TRAIN_CONFIG, make_problem
 
 HERE = pathlib.Path(__file__).parent
 
@@ -21,12 +21,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _run_workers(out, layout="flat"):
+def _run_workers(out, layout="flat", *extra, logs_out=None):
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
   procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(port), str(i),
-                             str(out), layout],
+                             str(out), layout, *map(str, extra)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
   logs = []
@@ -39,6 +39,8 @@ def _run_workers(out, layout="flat"):
       pytest.fail("multi-host workers timed out")
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
+  if logs_out is not None:
+    logs_out.extend(logs)
   return np.load(out)
 
 
@@ -84,3 +86,19 @@ def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path, 
     assert int(got["total_bits"]) == dadjax.comm_stats(sharded.opt_state).total
     assert int(got["total_bits"]) < dadjax.comm_stats(state.opt_state).total
     assert int(got["intra_bits"]) == dadjax.comm_stats(sharded).intra_bits_per_step > 0
+
+
+@pytest.mark.multihost
+def test_two_processes_checkpoint_and_resume_like_one_uninterrupted_run(tmp_path):
+  from dadjax.config import Config
+  from dadjax.train import train
+  ckpt = tmp_path / "ckpt"
+  _run_workers(tmp_path / "first.npz", "train", ckpt, 4)  # steps 1-4, checkpoints at 2 and 4
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "4"]
+  assert (ckpt / "dadjax.lock").exists()  # taken by process 0, released at the end
+  logs = []
+  got = _run_workers(tmp_path / "resumed.npz", "train", ckpt, 6, logs_out=logs)  # resumes at 4
+  assert all(f"dadjax: resuming from checkpoint step 4 in {ckpt}" in log for log in logs)
+  whole = train(Config(**TRAIN_CONFIG, steps=6), progress=False)  # one process, 8 devices
+  for i, leaf in enumerate(jax.tree.leaves(whole.params)):
+    np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
