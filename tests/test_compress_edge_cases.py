@@ -100,6 +100,20 @@ def test_ef_powersgd_applies_powersgd_memory_once():
   assert C.error_feedback(topk_ef) is topk_ef
 
 
+def test_qsgd_tiny_gradients_are_not_flushed_to_zero():
+  # ||g||^2 of 1e-30 entries underflows float32; the norm is taken without squaring them.
+  rng = np.random.default_rng(4)
+  g = jnp.asarray(rng.uniform(0.5, 1.5, size=64) * 1e-30, jnp.float32)
+  compressor = C.qsgd(4)
+  def estimate(key):
+    payload, _ = compressor.compress({"w": g}, compressor.init({"w": g}), key)
+    return compressor.decompress(payload, {"w": g}, key)["w"]
+  draws = jax.vmap(estimate)(jax.random.split(jax.random.key(0), 2000))
+  mean = np.asarray(draws, np.float64).mean(axis=0) * 1e30
+  assert np.all(np.isfinite(mean)) and np.asarray(draws).any()
+  np.testing.assert_allclose(mean, np.asarray(g, np.float64) * 1e30, rtol=0.15)  # unbiased
+
+
 # -------------------------------------------------------------- PowerSGD
 
 def test_powersgd_tiny_gradients_keep_a_finite_correct_direction():

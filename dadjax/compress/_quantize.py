@@ -90,7 +90,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
     flat = x.reshape(-1).astype(jnp.float32)
     d = flat.shape[0]
     if bucket_size is None:  # one norm per tensor: a sharded slice takes the whole tensor's
-      v, norm = flat[None], jnp.sqrt(whole_sum(jnp.sum(jnp.square(flat))))[None]
+      v, norm = flat[None], _whole_norm(flat)[None]  # no underflow of tiny g^2
       noise = slice_uniform(key.site, x.shape).reshape(v.shape)
     else:  # buckets run across slices: not shardable (the flag below)
       b, nb = _buckets(d)
