@@ -202,11 +202,16 @@ def shard_dims(params: Any, per_site: int) -> Any:
   return jax.tree.map(dim, params)
 
 
+def _with_dims(params: Any, dims: Any) -> list[tuple[tuple, Any, int | None]]:
+  """``(key path, leaf, sharded dimension or None)`` for every parameter leaf."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return [(path, x, d) for (path, x), d in zip(
+      leaves, jax.tree.structure(params).flatten_up_to(dims))]
+
+
 def _dims_by_path(params: Any, dims: Any) -> dict[str, int | None]:
   """:func:`shard_dims` keyed by leaf path (what the compressors look up)."""
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {leaf_path(path): d for (path, _), d in zip(
-      leaves, jax.tree.structure(params).flatten_up_to(dims))}
+  return {leaf_path(path): d for path, _, d in _with_dims(params, dims)}
 
 
 def _average_in_site(grads: Any, inner, dims: Any):
@@ -222,9 +227,10 @@ def _average_in_site(grads: Any, inner, dims: Any):
   return jax.tree.unflatten(treedef, leaves), traffic_add(scatter, reduce)
 
 
-def sharded_state_specs(state: TrainState, axis_name: str, inner: tuple[str, ...],
-                        per_site: int) -> Any:
-  """:meth:`TrainStep.state_specs` with sharded parameters (module-level for the run)."""
+def sharded_layout(state: TrainState, axis_name: str, inner: tuple[str, ...],
+                   per_site: int) -> tuple[Any, Any]:
+  """``(specs, dims)``: :meth:`TrainStep.state_specs` with sharded parameters, and
+  :func:`shard_dims` of one site's parameters."""
   site = P(axis_name)
   inner_spec = inner[0] if len(inner) == 1 else inner
   dims = shard_dims(unstack_shapes(state.params), per_site)
@@ -232,9 +238,8 @@ def sharded_state_specs(state: TrainState, axis_name: str, inner: tuple[str, ...
   def spec(d):
     return site if d is None else P(axis_name, *([None] * d), inner_spec)
 
-  by_path = {tuple(path): (np.shape(x), spec(d)) for (path, x), d in zip(
-      jax.tree_util.tree_flatten_with_path(state.params)[0],
-      jax.tree.structure(state.params).flatten_up_to(dims))}
+  params = _with_dims(state.params, dims)
+  by_path = {tuple(path): (np.shape(x), spec(d)) for path, x, d in params}
 
   def opt_spec(path, x):
     for k in range(len(path), 0, -1):  # the longest matching suffix
@@ -243,11 +248,12 @@ def sharded_state_specs(state: TrainState, axis_name: str, inner: tuple[str, ...
         return hit[1] if hit[0] == np.shape(x) else site
     return site
 
-  return state._replace(
-      params=jax.tree.map(spec, dims, is_leaf=lambda d: d is None or isinstance(d, int)),
+  specs = state._replace(
+      params=jax.tree.unflatten(jax.tree.structure(state.params), [spec(d) for _, _, d in params]),
       opt_state=jax.tree_util.tree_map_with_path(opt_spec, state.opt_state),
       **{f: jax.tree.map(lambda _: site, getattr(state, f))
          for f in TrainState._fields if f not in ("params", "opt_state")})
+  return specs, dims
 
 
 def _is_typed_key(key) -> bool:
@@ -363,7 +369,7 @@ class TrainStep:
     """
     if not self.shard_params:
       return jax.tree.map(lambda _: P(self.axis_name), state)
-    return sharded_state_specs(state, self.axis_name, self.inner_axes, self.per_site)
+    return sharded_layout(state, self.axis_name, self.inner_axes, self.per_site)[0]
 
   def check_batch(self, batch: Any) -> None:
     """Raise a clear error if the global batch does not split over the sites.
@@ -905,9 +911,8 @@ class _PerLayoutRun:
   def program(self, state: TrainState):
     key = (jax.tree.structure(state), tuple(np.shape(x) for x in jax.tree.leaves(state)))
     if key not in self.programs:
-      dims = shard_dims(unstack_shapes(state.params), self.per_site)
-      specs = sharded_state_specs(state, self.axis_name, self.inner, self.per_site)
-      self.programs[key] = self.compile_for(specs, dims)
+      self.programs[key] = self.compile_for(
+          *sharded_layout(state, self.axis_name, self.inner, self.per_site))
     return self.programs[key]
 
   def __call__(self, state: TrainState, batch: Any):
