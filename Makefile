@@ -1,11 +1,14 @@
 # Two entry points: `make demo` (the main job) and `make test`; `make notebooks` re-runs the
-# notebooks in place (full settings) so their committed outputs are current.
+# notebooks in place (full settings) so their committed outputs are current. `make data` (as
+# root) installs the two real data sets from Debian's packages: Fashion-MNIST's IDX files in
+# /usr/share/datasets/fashion-mnist and the Python 3.11 documentation sources (byte-level text)
+# in /usr/share/doc/python3.11/html/_sources.
 # Both create the virtual environment on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow notebooks install clean
+.PHONY: demo test test-slow notebooks install clean data
 
 $(BIN)/dadjax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +29,11 @@ test-slow: install
 
 notebooks: install
 	$(BIN)/jupyter execute --inplace --timeout=3600 notebooks/*.ipynb
+
+data:
+	@if [ "$$(id -u)" != 0 ]; then echo "make data: run as root (apt-get installs packages)"; exit 1; fi
+	apt-get update
+	apt-get install -y dataset-fashion-mnist python3.11-doc
 
 clean:
 	rm -rf $(VENV) demo_out runs

@@ -31,7 +31,10 @@ class Config:
 
   Attributes:
     dataset: ``"digits"`` (embedded, default), ``"synthetic"``,
-      ``"synthetic_seq"`` or a tensorflow-datasets name (``"mnist"``, ...).
+      ``"synthetic_seq"``, ``"fashion_mnist"`` (Debian's IDX files),
+      ``"text:GLOB"`` (byte-level language modelling on the files GLOB
+      matches), ``"idx:DIR"`` (MNIST-style IDX files in DIR) or a
+      tensorflow-datasets name (``"mnist"``, ...).
     data_dir: tensorflow-datasets directory (prepared offline).
     dataset_kwargs: extra loader arguments, e.g. ``{"max_examples": 5000}``.
     model: ``"mlp"``, ``"cnn"``, ``"resnet18"``, ``"gru"``, ``"transformer"``, ``"vit"``.
@@ -316,8 +319,9 @@ def validate(config: Config) -> None:
   from dadjax.methods import build_method
   # pylint: enable=g-import-not-at-top
   builtin = getattr(_tfds, "_BUILTIN", {})
-  if config.dataset in builtin:
-    loader, exclude, note = builtin[config.dataset], (), ""
+  loader = _tfds.builtin_loader(config.dataset)
+  if loader is not None:
+    exclude, note = (), ""
     if config.data_dir:
       raise ConfigError(f"config.data_dir is for tensorflow-datasets; dataset "
                         f"{config.dataset!r} is built in (valid built-in names: {sorted(builtin)})")

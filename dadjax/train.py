@@ -132,7 +132,9 @@ def build(config: Config):
   if config.data_dir:
     dataset_kwargs["data_dir"] = config.data_dir
   dataset = data_lib.load(config.dataset, **dataset_kwargs)
-  parts = data_lib.partition(dataset.y_train, config.num_sites, scheme=config.partition,
+  groups = getattr(dataset, "groups", None)  # e.g. the file of each text window
+  parts = data_lib.partition(dataset.y_train if groups is None else groups, config.num_sites,
+                             scheme=config.partition,
                              alpha=config.alpha, seed=config.seed)
   batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
                                  seed=config.seed)
@@ -149,8 +151,10 @@ def build(config: Config):
                  "shard_params": config.shard_params}
   else:
     placement = {"num_sites": config.num_sites}
+  lm = np.ndim(dataset.y_train) == 2  # next-token targets (rows, T): per-token metrics
   step_fn = make_train_step(model, method.optimizer(local_optimizer(config)), **placement,
                             backend=config.backend,
+                            metrics_fn=data_lib.language_model_metrics if lm else None,
                             batch_stage=getattr(method, "batch_stage", None))
   return dataset, parts, batcher, step_fn
 

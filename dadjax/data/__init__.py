@@ -1,14 +1,32 @@
 """Data sets as numpy arrays, and their partitioning across sites."""
 
 from dadjax.data._embedded import Dataset, load_digits
+from dadjax.data._idx import load_fashion_mnist, load_idx, read_idx
 from dadjax.data._partition import SiteBatcher, partition, partition_summary, site_batches
 from dadjax.data._synthetic import synthetic_classification, synthetic_sequences
+from dadjax.data._text import (
+  bits_per_byte,
+  language_model_metrics,
+  load_text,
+  perplexity,
+  split_files,
+  text_windows,
+)
 from dadjax.data._tfds import load, load_tfds, tokenize
 
 __all__ = [
   "Dataset",
   "load",
   "load_digits",
+  "load_idx",
+  "read_idx",
+  "load_fashion_mnist",
+  "load_text",
+  "split_files",
+  "text_windows",
+  "bits_per_byte",
+  "perplexity",
+  "language_model_metrics",
   "synthetic_classification",
   "synthetic_sequences",
   "load_tfds",

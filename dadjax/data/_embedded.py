@@ -11,13 +11,17 @@ class Dataset(NamedTuple):
   Attributes:
     x_train: inputs, shape ``(n_train, ...)``. Images are float32 in [0, 1]
       shaped ``(n, H, W, C)``; sequences are int32 token ids shaped ``(n, T)``.
-    y_train: int32 labels in ``[0, num_classes)``, shape ``(n_train,)``.
+    y_train: int32 labels in ``[0, num_classes)``, shape ``(n_train,)``; for
+      language modelling the next-token targets ``(n_train, T)``.
     x_test: inputs, shape ``(n_test, ...)``, same layout as ``x_train``.
     y_test: int32 labels, shape ``(n_test,)``.
     num_classes: number of label classes.
     name: short name of the data set.
     vocab_size: for token data, ids lie in ``[0, vocab_size)``; ``None`` for
       images.
+    groups: optional int ``(n_train,)`` group of each training row (e.g. the
+      file a text window comes from); when set, the training loop partitions
+      by it instead of by ``y_train``. ``None`` (default): by ``y_train``.
   """
 
   x_train: np.ndarray
@@ -27,6 +31,7 @@ class Dataset(NamedTuple):
   num_classes: int
   name: str
   vocab_size: Optional[int] = None
+  groups: Optional[np.ndarray] = None
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:

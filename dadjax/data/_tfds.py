@@ -7,6 +7,7 @@ network. Data sets prepared as ``tfrecord`` fall back to ``tfds.as_numpy``,
 which needs TensorFlow installed.
 """
 
+import functools
 import re
 import zlib
 from typing import Iterable, Optional
@@ -14,7 +15,9 @@ from typing import Iterable, Optional
 import numpy as np
 
 from dadjax.data._embedded import Dataset, load_digits
+from dadjax.data._idx import load_fashion_mnist, load_idx
 from dadjax.data._synthetic import synthetic_classification, synthetic_sequences
+from dadjax.data._text import load_text
 
 _TEXT_KEYS = ("text", "sentence", "content", "review")
 _INPUT_KEYS = ("image",) + _TEXT_KEYS
@@ -178,14 +181,32 @@ _BUILTIN = {
   "digits": load_digits,
   "synthetic": synthetic_classification,
   "synthetic_seq": synthetic_sequences,
+  "fashion_mnist": load_fashion_mnist,
 }
+# Names ``PREFIX:ARG``: the loader takes ARG as its first argument.
+_PREFIXED = {"text": load_text, "idx": load_idx}
+
+
+def builtin_loader(name: str):
+  """The loader of a built-in data set name, or ``None``: a key of
+  ``_BUILTIN``, or ``text:GLOB`` / ``idx:DIR`` (the loader with its first
+  argument bound to the part after the colon)."""
+  if name in _BUILTIN:
+    return _BUILTIN[name]
+  prefix, sep, arg = name.partition(":")
+  if sep and prefix in _PREFIXED and arg:
+    return functools.partial(_PREFIXED[prefix], arg)
+  return None
 
 
 def load(name: str, **kwargs) -> Dataset:
   """Loads a data set by name: "digits" (`load_digits`), "synthetic"
   (`synthetic_classification`), "synthetic_seq" (`synthetic_sequences`),
-  anything else through `load_tfds`. ``kwargs`` go to that function.
-  Raises ``ValueError`` for names that are neither built in nor loadable."""
-  if name in _BUILTIN:
-    return _BUILTIN[name](**kwargs)
+  "fashion_mnist" (`load_fashion_mnist`), "text:GLOB" (`load_text` of the
+  files GLOB matches), "idx:DIR" (`load_idx` of a directory), anything else
+  through `load_tfds`. ``kwargs`` go to that function. Raises
+  ``ValueError`` for names that are neither built in nor loadable."""
+  loader = builtin_loader(name)
+  if loader is not None:
+    return loader(**kwargs)
   return load_tfds(name, **kwargs)
