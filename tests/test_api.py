@@ -19,7 +19,8 @@ DOCUMENTED = ["dadjax", "dadjax.compress", "dadjax.comm", "dadjax.dad", "dadjax.
 def _packages():
   names = ["dadjax"]
   for init in sorted(PACKAGE.glob("*/__init__.py")):
-    names.append(f"dadjax.{init.parent.name}")
+    if not init.parent.name.startswith("_"):  # private packages (the core) have no public face
+      names.append(f"dadjax.{init.parent.name}")
   return names
 
 
