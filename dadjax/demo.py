@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pathlib
 
-from dadjax.comm import NetworkModel, comm_stats
 from dadjax.config import Config
 from dadjax.train import Run, train
 
@@ -38,55 +37,48 @@ DEFAULT_METHODS = {
 
 
 def _to_target(run: Run, target: float):
-  """(steps, cumulative bits per site) at the first logged row reaching ``target``, else None."""
+  """(steps, cumulative wire bits per site) at the first logged row reaching ``target``, else None."""
   for row in run.history:
     if row["test_accuracy"] >= target:
-      return row["step"], row["total_bits"]
+      return row["step"], row["total_wire_bits"]
   return None
 
 
-def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bool = True) -> str:
+def format_table(runs: list[Run], target_accuracy: float = 0.8) -> str:
   """A markdown table of the runs: payload vs wire bits, baselines, cost to a target accuracy.
 
-  Per site and optimizer step: payload bits (what the site hands to
-  collectives), wire bits under the runs' topology at their N, the
-  wire-based ratio against an fp32 and a bf16 all-reduce of the same
-  tensors (> 1: fewer bits on the wire), and the modeled communication
-  time, with latency charged per collective op of the compiled step
-  (``TrainStep.collectives``; the step's metric all-reduce included). The
-  last columns are the cumulative payload bits (the ledger) and the modeled time (steps x
-  modeled time per step, wire based) to the first evaluation at ``target_accuracy`` ("-" when
-  it is never reached).
+  Every figure is the train loop's own read-out, :func:`dadjax.comm.report`
+  of the final state with the compiled step's collective ops (the row
+  ``metrics.jsonl`` holds): per site and optimizer step, payload bits (what
+  the site hands to collectives), wire bits under the runs' topology at
+  their N, the wire-based ratio against an fp32 and a bf16 all-reduce of
+  the same tensors (> 1: fewer bits on the wire), and the modeled
+  communication time with latency charged per compiled op (the step's
+  metric all-reduce included). The last columns are the cumulative wire
+  bits and the modeled time (steps x modeled time per step) to the first
+  evaluation at ``target_accuracy`` ("-" when it is never reached).
   """
   config = runs[0].config
   n, topo = config.num_sites, config.topology
-  network = NetworkModel(config.bandwidth, config.latency, n, topo)
   lines = [f"| method | lr | test acc | payload bits/step/site "
            f"| wire bits/step/site ({topo}, N={n}) "
            f"| wire ratio vs fp32 | vs bf16 | modeled comm/step (s) "
-           f"| payload bits to {target_accuracy:g} acc "
+           f"| wire bits to {target_accuracy:g} acc "
            f"| modeled comm to {target_accuracy:g} acc (s) | wall (s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   fp32_row = bf16_row = None
   for run in runs:
     row = run.final
-    summary = comm_stats(run.state)  # every ledger: the optimizer's and the step's (batch stages)
-    ops = None
-    if compiled_ops:
-      rows = n * run.config.batch_per_site
-      batch = {"x": run.dataset.x_train[:rows], "y": run.dataset.y_train[:rows]}
-      ops = run.step_fn.collectives(run.state, batch)
-    rep = network.report(summary, ops)
     reached = _to_target(run, target_accuracy)
-    bits_to = f"{reached[1]:,}" if reached else "-"
-    time_to = f"{reached[0] * rep['time_s']:.3f}" if reached else "-"
+    bits_to = f"{reached[1]:,.0f}" if reached else "-"
+    time_to = f"{reached[0] * row['modeled_comm_s_per_step']:.3f}" if reached else "-"
     lines.append(f"| {row['method']} | {run.config.lr:g} | {row['test_accuracy']:.3f} | "
-                 f"{summary.bits_per_step:,} | {rep['wire_bits']:,.0f} | "
-                 f"{rep['wire_ratio']:.1f}x | "
-                 f"{rep['wire_ratio_bf16']:.2f}x | {rep['time_s']:.4f} | {bits_to} | {time_to} | "
+                 f"{row['payload_bits_per_step']:,} | {row['wire_bits_per_step']:,.0f} | "
+                 f"{row['wire_ratio_fp32']:.1f}x | {row['wire_ratio_bf16']:.2f}x | "
+                 f"{row['modeled_comm_s_per_step']:.4f} | {bits_to} | {time_to} | "
                  f"{row['wall_s']:.1f} |")
-    fp32_row = fp32_row or (rep["fp32_wire_bits"], rep["fp32_time_s"])
-    bf16_row = bf16_row or (rep["bf16_wire_bits"], rep["bf16_time_s"])
+    fp32_row = fp32_row or (row["fp32_wire_bits_per_step"], row["fp32_comm_s_per_step"])
+    bf16_row = bf16_row or (row["bf16_wire_bits_per_step"], row["bf16_comm_s_per_step"])
   lines.append("")
   lines.append(f"Baselines for these tensors: an fp32 all-reduce moves {fp32_row[0]:,.0f} "
                f"wire bits/site per step ({fp32_row[1]:.4f} s), a bf16 all-reduce "
@@ -94,22 +86,24 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8, compiled_ops: bo
                f"bits on the wire than the baseline: an all-gather's wire bits grow with N, an "
                f"all-reduce's do not.")
   lines.append(f"Network model: {topo} at {config.bandwidth / 1e9:g} Gbit/s, "
-               f"{config.latency * 1e6:g} us latency per message, N={n}; {config.steps} steps.")
+               f"{config.latency * 1e6:g} us latency per message, N={n}, latency charged per "
+               f"{runs[0].final['latency_per']}; {config.steps} steps.")
   return "\n".join(lines)
 
 
 def plot(runs: list[Run], path: pathlib.Path) -> None:
-  """Test accuracy against cumulative bits per site, one line per method."""
+  """Test accuracy against cumulative wire bits per site, one line per method."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(7, 4.5))
   colors = plt.cm.tab20.colors  # more methods than the default 10-colour cycle
   for i, run in enumerate(runs):
-    ax.plot([r["total_bits"] for r in run.history], [r["test_accuracy"] for r in run.history],
+    ax.plot([r["total_wire_bits"] for r in run.history], [r["test_accuracy"] for r in run.history],
             marker="os^v"[i % 4], color=colors[i % len(colors)], label=run.config.method)
   ax.set_xscale("log")
-  ax.set_xlabel("cumulative bits sent per site")
+  config = runs[0].config
+  ax.set_xlabel(f"cumulative wire bits per site ({config.topology}, N={config.num_sites})")
   ax.set_ylabel("test accuracy")
   ax.set_title(f"{runs[0].config.dataset}, {runs[0].config.num_sites} sites")
   ax.legend(fontsize=7, ncol=2)

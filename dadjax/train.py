@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
 from dadjax import models
-from dadjax.comm import HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array
+from dadjax.comm import (HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array,
+                         report)
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
 from dadjax.dad import accordion_rows
@@ -223,7 +224,7 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
              initial=start, total=config.steps, leave=False)
   t0 = time.perf_counter()
-  metrics = None
+  metrics = ops = None
   try:
     for step in bar:
       x, y = batcher.batch_at(step)
@@ -235,8 +236,10 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
       if log_now or save_now:  # the only host syncs of the loop
         _check_finite(metrics, done, config, store)
       if log_now:
+        if ops is None:
+          ops = compiled_ops(step_fn, state, {"x": x, "y": y})
         row = _log_row(config, step_fn, state, metrics, dataset, network, done,
-                       wall0 + time.perf_counter() - t0, batcher.steps_per_epoch)
+                       wall0 + time.perf_counter() - t0, batcher.steps_per_epoch, ops)
         history.append(row)
         last_row = row
         bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
@@ -291,17 +294,34 @@ def _check_finite(metrics, step: int, config: Config, store) -> None:
            else "no checkpoint was written"))
 
 
+def compiled_ops(step_fn: TrainStep, state, batch) -> tuple[Any, Any]:
+  """``(ops, intra_ops)`` of the compiled step for :func:`dadjax.comm.report`, read once.
+
+  The inter-site ops (every op on a 1-D mesh) and, on a 2-D mesh, the
+  in-site ops. ``backend="vmap"`` simulates the sites on one device, so its
+  program has no collective ops to read: ``(None, None)``, and the read-out
+  charges latency per recorded call (its ``latency_per`` says so).
+  """
+  if step_fn.backend == "vmap":
+    return None, None
+  if step_fn.per_site > 1:
+    return (step_fn.collectives(state, batch, link="inter"),
+            step_fn.collectives(state, batch, link="intra"))
+  return step_fn.collectives(state, batch), None
+
+
 def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
-             steps_per_epoch) -> dict:
+             steps_per_epoch, ops) -> dict:
   """One metrics row.
 
   Bits come from every ledger of the train state: the optimizer's and the
-  step's own (batch stage, averaged collections, the metrics' ``pmean``).
+  step's own (batch stage, averaged collections, the metrics' ``pmean``),
+  read out by :func:`dadjax.comm.report` with latency charged per compiled
+  op (``ops``: :func:`compiled_ops`).
   ``train_<name>`` are the step's site-averaged metrics of the last step,
   ``test_<name>`` the evaluation-mode metrics on the test set.
   """
   summary = comm_stats(state)
-  step_time = network.step_time(summary)
   train_metrics = {k: float(host_array(v)[0]) for k, v in metrics.items()}
   test_metrics = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
   row = {
@@ -311,15 +331,9 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       "loss": train_metrics.pop("loss"),
       **{f"train_{k}": v for k, v in train_metrics.items()},
       **{f"test_{k}": v for k, v in test_metrics.items()},
-      "bits_per_step": summary.bits_per_step,
+      **report(state, network, ops=ops[0], intra_ops=ops[1]).row(),
       "step_bits_per_step": comm_stats(state.comm).bits_per_step,
-      "intra_bits_per_step": summary.intra_bits_per_step,
-      "modeled_intra_comm_s_per_step": network.intra_time(summary),
       "dense_bits_per_step": summary.dense_bits_per_step,
-      "total_bits": summary.total,
-      "compression_ratio": summary.compression_ratio,
-      "modeled_comm_s_per_step": step_time,
-      "modeled_comm_s": step_time * summary.updates,
       "wall_s": seconds,
       **_stage_costs(state.stage_state),
   }

@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 from dadjax import dad
-from dadjax.comm import NetworkModel, comm_stats
+from dadjax.comm import NetworkModel, comm_stats, report
 from dadjax.config import Config
 from dadjax.methods import build_method
 from dadjax.parallel import local_gradients, make_train_step, softmax_cross_entropy
@@ -227,9 +227,10 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
     summary = comm_stats(state.opt_state)
     ops, source = compiled_ops(task, model, optimizer, dataset, summary)
     network = NetworkModel(BANDWIDTH, LATENCY_S, cfg.num_sites, "ring")
-    row["report"] = network.report(summary, ops)
-    row["report"]["fp32_time_s"] = network.baseline_time(summary, 32, ops["reduce"] or 1)
-    row["report"]["bf16_time_s"] = network.baseline_time(summary, 16, ops["reduce"] or 1)
+    rep = report(summary, network, ops=ops)._asdict()
+    rep["fp32_time_s"] = network.baseline_time(summary, 32, ops["reduce"] or 1)
+    rep["bf16_time_s"] = network.baseline_time(summary, 16, ops["reduce"] or 1)
+    row["report"] = rep
     row["ops"], row["ops_source"] = ops, source
   return row
 
@@ -242,8 +243,8 @@ def run_task(task: Task, methods=None, log=print) -> list[dict]:
   for spec in methods or task.methods:
     row = run_method(task, spec, dataset, batcher, plain.model)
     rep = row["report"]
-    comm = (f"payload {rep['payload_bits']:>9,}  wire {rep['wire_bits']:>11,.0f}  "
-            f"vs fp32 {rep['wire_ratio']:.2f}x  ops {row['ops']}" if rep else "no communication")
+    comm = (f"payload {rep['payload_bits_per_step']:>9,}  wire {rep['wire_bits_per_step']:>11,.0f}  "
+            f"vs fp32 {rep['wire_ratio_fp32']:.2f}x  ops {row['ops']}" if rep else "no communication")
     log(f"  {task.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  {comm}  "
         f"grad err {row['grad_error']:.2e}  ({row['wall_s']:.1f}s)")
     rows.append(row)
@@ -282,16 +283,16 @@ def format_table(task: Task, rows: list[dict]) -> str:
                    f"{steps_to} | 0 | 0 | 0 (reference) | {rank} |")
       continue
     sources.add(r["ops_source"])
-    if rep["wire_ratio"] < 1:
+    if rep["wire_ratio_fp32"] < 1:
       more_fp32.append(r["method"])
     if rep["wire_ratio_bf16"] < 1:
       more_bf16.append(r["method"])
     ops = f"{r['ops']['reduce']}, {r['ops']['gather']}"
-    bits_to = f"{reached * rep['wire_bits']:.3g}" if reached else "-"
-    time_to = f"{1e3 * reached * rep['time_s']:.1f}" if reached else "-"
-    lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | {rep['payload_bits']:,} | "
-                 f"{rep['wire_bits']:,.0f} | {_ratio(rep['wire_ratio'])} | "
-                 f"{_ratio(rep['wire_ratio_bf16'])} | {ops} | {1e3 * rep['time_s']:.3f} | "
+    bits_to = f"{reached * rep['wire_bits_per_step']:.3g}" if reached else "-"
+    time_to = f"{1e3 * reached * rep['modeled_comm_s_per_step']:.1f}" if reached else "-"
+    lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | {rep['payload_bits_per_step']:,} | "
+                 f"{rep['wire_bits_per_step']:,.0f} | {_ratio(rep['wire_ratio_fp32'])} | "
+                 f"{_ratio(rep['wire_ratio_bf16'])} | {ops} | {1e3 * rep['modeled_comm_s_per_step']:.3f} | "
                  f"{steps_to} | {bits_to} | {time_to} | {r['grad_error']:.1e} | {rank} |")
   lines.append("")
   if base is not None:
@@ -323,7 +324,7 @@ def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
       left.axhline(r["test_accuracy"], color="k", ls=":", lw=1, label="pooled (final)")
       continue
     style = "-" if ("dad" in r["method"]) else "--"
-    wire = r["report"]["wire_bits"]
+    wire = r["report"]["wire_bits_per_step"]
     left.plot([h["step"] * wire for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
               style, marker="o", ms=3, label=r["method"], color=color)
     right.scatter(wire, max(r["grad_error"], 1e-8), label=r["method"],

@@ -137,7 +137,7 @@ def test_rows_hold_decisions_norms_and_lr(accordion_run):
   assert all(r[f"accordion/low/{n}"] == 1 for r in rows[36:] for n in kernels)
   assert all(r[f"accordion/critical/{n}"] == 1 for r in rows[36:] for n in names)
   # Bits: the ledger row counts what was sent (less than fp32 with PowerSGD).
-  assert rows[-1]["compression_ratio"] > 1
+  assert rows[-1]["wire_ratio_fp32"] > 1
 
 
 def test_plot_cli_draws_the_heat_map(accordion_run, tmp_path, capsys):

@@ -1,4 +1,6 @@
 """The bit ledger, exact 64-bit counts and the network cost model."""
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -182,9 +184,12 @@ def test_step_time_charges_latency_per_compiled_op():
   assert net.step_time(s) == pytest.approx(by_calls)
   by_ops = 1500 / 1e6 + 6e-3 + 1500 / 1e6 + 3e-3  # XLA combined the two reduce calls
   assert net.step_time(s, ops={"reduce": 1, "gather": 1}) == pytest.approx(by_ops)
-  report = net.report(s, ops={"reduce": 1, "gather": 1})
-  assert report["setting"] == "ring, N=4" and report["wire_bits"] == 3000
-  assert report["bf16_time_s"] == pytest.approx(2400 / 1e6 + 6e-3)
+  report = dadjax.comm.report(s, net, ops={"reduce": 1, "gather": 1})
+  assert report.setting == "ring, N=4" and report.wire_bits_per_step == 3000
+  assert report.modeled_comm_s_per_step == pytest.approx(by_ops)
+  assert report.latency_per == "compiled op"
+  assert dadjax.comm.report(s, net).modeled_comm_s_per_step == pytest.approx(by_calls)
+  assert report.bf16_comm_s_per_step == pytest.approx(2400 / 1e6 + 6e-3)
 
 
 def test_comm_stats_scales_ledgers_updated_at_different_rates():
@@ -197,3 +202,31 @@ def test_comm_stats_scales_ledgers_updated_at_different_rates():
   assert s.gather_bits == (400,) and s.reduce_bits == (50,) and s.gather_calls == 4
   assert s.bits_per_step == 450 and s.total == 450
   assert s.bits_per_micro_step == pytest.approx(450 / 4)
+
+
+def test_cumulative_wire_bits_charge_each_kind_its_factor():
+  stats = comm.ledger_init()
+  stats = comm.ledger_record(stats, reduce=800, dense=3200, reduce_calls=1)
+  stats = comm.ledger_record(stats, gather=100, gather_calls=1)
+  s = dadjax.comm_stats(stats)
+  assert s.total == 900 and s.total_gather_bits == (100,)
+  # ring at N=4: all-reduce 2(N-1)/N = 1.5 per payload bit, all-gather N-1 = 3
+  assert s.total_wire_bits(4) == 1.5 * 800 + 3 * 100
+  assert dadjax.comm.report(s, dadjax.NetworkModel(num_sites=4)).total_wire_bits == 1500
+
+
+def test_report_names_the_baseline_of_the_gradient_dtype():
+  import jax.numpy as jnp
+  stats = comm.ledger_record(comm.ledger_init(), reduce=1600, dense=3200, reduce_calls=1)
+  net = dadjax.NetworkModel(num_sites=2)
+
+  class State(NamedTuple):
+    params: dict
+    ledger: comm.CommStats
+
+  bf16 = dadjax.comm.report(State({"w": jnp.zeros(100, jnp.bfloat16)}, stats), net)
+  fp32 = dadjax.comm.report(State({"w": jnp.zeros(100, jnp.float32)}, stats), net)
+  assert (bf16.baseline, fp32.baseline) == ("bf16", "fp32")
+  # a 16-bit all-reduce of bf16 gradients: 2x vs fp32, but 1x against what the user trains in
+  assert bf16.wire_ratio_fp32 == fp32.wire_ratio_fp32 == 2.0
+  assert bf16.wire_ratio == 1.0 and fp32.wire_ratio == 2.0

@@ -114,10 +114,10 @@ def test_training_rows_report_stage_bits_and_compute():
   # the ledger holds the stage's padded all-gather plus the metrics' pmean (2 fp32 scalars)
   assert list(stats.gather_bits) == wire
   assert list(stats.reduce_bits) == [2 * 32] * 8
-  assert row["bits_per_step"] == max(wire) + 64
+  assert row["payload_bits_per_step"] == max(wire) + 64
   n_params = sum(x.size for x in jax.tree.leaves(result.params))
   assert row["dense_bits_per_step"] == 32 * n_params  # the all-reduce the stage replaces
-  assert row["compression_ratio"] == pytest.approx(32 * n_params / (max(wire) + 64))
+  assert row["payload_ratio"] == pytest.approx(32 * n_params / (max(wire) + 64))
   assert row["stage_wire_bits_per_step"] == max(wire)
   assert row["useful_bits_per_step"] == max(useful) < max(wire)
   assert row["backward_rows_per_step"] == 8 * 8  # N R rows of the shared pass, loss scores only

@@ -155,9 +155,11 @@ def test_hierarchical_network_charges_each_link_class():
   assert net.intra_time(summary) == pytest.approx(expect_intra, rel=1e-12)
   assert net.inter_time(summary) == pytest.approx(inter.step_time(summary), rel=1e-12)
   assert net.step_time(summary) == pytest.approx(expect_intra + inter.step_time(summary))
-  report = net.report(summary)
-  assert report["intra_payload_bits"] == intra_bits
-  assert report["time_s"] == pytest.approx(report["intra_time_s"] + report["inter_time_s"])
+  report = dadjax.comm.report(summary, net)
+  assert report.intra_payload_bits_per_step == intra_bits
+  assert report.setting == "ring, N=2 sites x 4 devices"
+  assert report.modeled_comm_s_per_step == pytest.approx(
+      report.modeled_intra_comm_s_per_step + inter.step_time(summary))
   assert HierarchicalNetwork(inter).intra_time(summary) == 0.0  # per_site=1: no in-site links
   with pytest.raises(ValueError, match="per_site must be"):
     HierarchicalNetwork(inter, per_site=0)
@@ -189,8 +191,8 @@ def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
   assert run.step_fn.mesh.devices.shape == (2, 4) and run.step_fn.per_site == 4
   row = run.history[-1]
   summary = dadjax.comm_stats(run.state)
-  assert row["bits_per_step"] == summary.bits_per_step
-  assert row["intra_bits_per_step"] == summary.intra_bits_per_step > 0
+  assert row["payload_bits_per_step"] == summary.bits_per_step
+  assert row["intra_payload_bits_per_step"] == summary.intra_bits_per_step > 0
   assert row["modeled_intra_comm_s_per_step"] > 0
   assert row["modeled_comm_s_per_step"] > row["modeled_intra_comm_s_per_step"]
 

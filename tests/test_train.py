@@ -35,9 +35,16 @@ def test_metrics_jsonl_is_written(tmp_path):
   import jax
   n_params = sum(np.size(p) for p in jax.tree.leaves(run.params))
   metric_bits = 2 * 32  # the step's pmean of loss and accuracy, booked in state.comm
-  assert rows[-1]["bits_per_step"] == 32 * n_params + metric_bits
+  assert rows[-1]["payload_bits_per_step"] == 32 * n_params + metric_bits
   assert rows[-1]["step_bits_per_step"] == metric_bits
-  assert rows[-1]["total_bits"] == 6 * (32 * n_params + metric_bits)
+  assert rows[-1]["total_payload_bits"] == 6 * (32 * n_params + metric_bits)
+  # wire bits: ring all-reduce at the config's N, per compiled op; nothing payload-based is
+  # called a ratio
+  n = run.config.num_sites
+  assert rows[-1]["wire_bits_per_step"] == pytest.approx(2 * (n - 1) / n * (32 * n_params + metric_bits))
+  assert rows[-1]["total_wire_bits"] == pytest.approx(6 * rows[-1]["wire_bits_per_step"])
+  assert rows[-1]["latency_per"] == "recorded call"  # vmap compiles no collective ops
+  assert "compression_ratio" not in rows[-1] and rows[-1]["payload_ratio"] < 1
   assert rows[-1]["epoch"] == 6 / run.steps_per_epoch
   assert {"train_accuracy", "test_accuracy", "test_loss"} <= set(rows[-1])
   assert rows[-1]["modeled_comm_s"] > 0

@@ -40,6 +40,7 @@ from dadjax.comm._collectives import (
 )
 from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._cost import HierarchicalNetwork, NetworkModel
+from dadjax.comm._report import Report, gradient_baseline, report
 from dadjax.comm._hlo import (CollectiveOp, CollectiveOps, collective_ops, compiled_collectives,
                               hlo_collectives)
 from dadjax.comm._vma import (
@@ -91,4 +92,7 @@ __all__ = [
     "TOPOLOGIES",
     "hlo_collectives",
     "CollectiveOps",
+    "report",
+    "Report",
+    "gradient_baseline",
 ]

@@ -14,8 +14,12 @@ The bandwidth term comes from the ledger's payload bits
 (:mod:`dadjax.comm._wire` defines the wire bits). The latency term is
 charged per collective *op*: pass the ops the compiled program really runs
 (:func:`~dadjax.comm.hlo_collectives`, ``TrainStep.collectives``) as
-``ops``; without them every collective call the ledger recorded is charged
-(an upper bound: XLA combines independent calls). Ops under ``lax.cond``
+``ops``; without them every collective call the ledger recorded is charged,
+which can be far off either way (XLA combines independent calls, and one
+recorded call over a pytree compiles to one op per leaf: TopK's single
+recorded all-gather is 12 compiled ops on a 3-layer MLP). Every figure a
+user reads goes through :func:`dadjax.comm.report`, which takes the
+compiled ops. Ops under ``lax.cond``
 appear in the compiled text whether or not their branch runs; for gradient
 accumulation over ``k`` micro-steps charge them once per optimizer step.
 
@@ -104,26 +108,6 @@ class NetworkModel:
     count = getattr(ops, "count", ops)
     return int(count.get("reduce", 0)), int(count.get("gather", 0))
 
-  def report(self, summary: CommSummary, ops: Any = None) -> dict:
-    """Per site and optimizer step: payload bits, wire bits, baselines, ratios, times.
-
-    The ratios are wire based and hold for this model's topology and
-    ``num_sites``, which the ``"setting"`` entry states.
-    """
-    n, topo = self.num_sites, self.topology
-    return {
-        "setting": f"{topo}, N={n}",
-        "payload_bits": summary.bits_per_step,
-        "wire_bits": summary.wire_bits(n, topo),
-        "fp32_wire_bits": summary.fp32_wire_bits(n, topo),
-        "bf16_wire_bits": summary.bf16_wire_bits(n, topo),
-        "wire_ratio": summary.wire_ratio(n, topo),
-        "wire_ratio_bf16": summary.wire_ratio(n, topo, "bf16"),
-        "time_s": self.step_time(summary, ops),
-        "fp32_time_s": self.baseline_time(summary, FP32_BITS),
-        "bf16_time_s": self.baseline_time(summary, 16),
-    }
-
 
 @dataclasses.dataclass(frozen=True)
 class HierarchicalNetwork:
@@ -192,13 +176,3 @@ class HierarchicalNetwork:
       intra_ops: the compiled in-site ops (``link="intra"``) or ``None``.
     """
     return self.intra_time(summary, intra_ops) + self.inter_time(summary, ops)
-
-  def report(self, summary: CommSummary, ops: Any = None, intra_ops: Any = None) -> dict:
-    """:meth:`NetworkModel.report` of the inter-site links plus the in-site phase."""
-    out = self.inter.report(summary, ops)
-    out["setting"] = f"{out['setting']} sites x {self.per_site} devices"
-    out["intra_payload_bits"] = summary.intra_bits_per_step
-    out["intra_time_s"] = self.intra_time(summary, intra_ops)
-    out["inter_time_s"] = out["time_s"]
-    out["time_s"] = out["intra_time_s"] + out["inter_time_s"]
-    return out

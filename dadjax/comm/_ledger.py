@@ -32,7 +32,9 @@ class CommStats(NamedTuple):
 
   All counts are :class:`Bits` (exact 64-bit); ``step_reduce_calls`` and
   ``step_gather_calls`` count the collective calls of each kind in the last
-  step (each call pays the network's latency).
+  step (each call pays the network's latency). ``total_sent`` counts both
+  kinds since the start, ``total_gather`` the all-gather part of it (the
+  kinds cost different wire bits, so cumulative wire bits need the split).
   """
 
   step_reduce: Bits
@@ -43,6 +45,7 @@ class CommStats(NamedTuple):
   step_reduce_calls: jax.Array
   step_gather_calls: jax.Array
   updates: jax.Array
+  total_gather: Bits
 
 
 class IntraSiteStats(CommStats):
@@ -68,7 +71,7 @@ def _as_bits(x: BitsLike) -> Bits:
 def ledger_init() -> CommStats:
   """An empty ledger."""
   z = bits_zero()
-  return CommStats(z, z, z, z, z, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+  return CommStats(z, z, z, z, z, jnp.int32(0), jnp.int32(0), jnp.int32(0), z)
 
 
 def intra_ledger_init() -> IntraSiteStats:
@@ -110,6 +113,7 @@ def ledger_record(
       step_reduce_calls=jnp.asarray(reduce_calls, jnp.int32),
       step_gather_calls=jnp.asarray(gather_calls, jnp.int32),
       updates=stats.updates + 1,
+      total_gather=bits_add(stats.total_gather, gather),
   )
 
 
@@ -165,6 +169,7 @@ class CommSummary:
   intra_gather_bits: tuple[int, ...] = (0,)
   intra_reduce_calls: int = 0
   intra_gather_calls: int = 0
+  total_gather_bits: tuple[int, ...] = (0,)
 
   @property
   def intra_bits_per_step(self) -> int:
@@ -218,6 +223,13 @@ class CommSummary:
                + wire_bits("gather", g, num_sites, topology)
                for r, g in zip(self.reduce_bits, self.gather_bits))
 
+  def total_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
+    """Cumulative wire bits per site since the start (largest site), each kind at its factor."""
+    return max(wire_bits("reduce", t - g, num_sites, topology)
+               + wire_bits("gather", g, num_sites, topology)
+               for t, g in zip(self.total_bits, _broadcast(self.total_gather_bits,
+                                                            len(self.total_bits))))
+
   def fp32_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
     """Wire bits per site of an fp32 all-reduce of the same tensors."""
     return wire_bits("reduce", self.dense_bits_per_step, num_sites, topology)
@@ -252,6 +264,10 @@ class CommSummary:
 def _per_site(b: Bits) -> tuple[int, ...]:
   v = bits_to_int(b)
   return tuple(v) if isinstance(v, list) else (v,)
+
+
+def _broadcast(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+  return values * n if len(values) == 1 and n > 1 else values
 
 
 def _add_tuples(a, b):
@@ -310,7 +326,7 @@ def _summarize(found: list[CommStats]):
   live = [u for u in rates if u > 0]
   slow, fast = (min(live), max(live)) if live else (0, 0)
   fields = dict(reduce_bits=(0,), gather_bits=(0,), dense_bits=(0,),
-                total_bits=(0,), total_dense_bits=(0,))
+                total_bits=(0,), total_dense_bits=(0,), total_gather_bits=(0,))
   calls = {"reduce_calls": 0, "gather_calls": 0}
   for s, u in zip(found, rates):
     num, den = (u, slow) if slow else (1, 1)
@@ -319,6 +335,8 @@ def _summarize(found: list[CommStats]):
       fields[name] = _add_tuples(fields[name], _scale(_per_site(bits), num, den))
     fields["total_bits"] = _add_tuples(fields["total_bits"], _per_site(s.total_sent))
     fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.total_dense))
+    fields["total_gather_bits"] = _add_tuples(fields["total_gather_bits"],
+                                              _per_site(s.total_gather))
     calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls))) * num // den
     calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls))) * num // den
   return fields, calls, slow, fast
