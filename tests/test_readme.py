@@ -13,5 +13,5 @@ def test_readme_python_blocks_run():
   namespace: dict = {}
   for block in runnable:
     exec(compile(block, str(README), "exec"), namespace)  # pylint: disable=exec-used
-  assert namespace["ledger"].bits_per_step > 0
+  assert namespace["rep"].wire_bits_per_step > namespace["rep"].payload_bits_per_step > 0
   assert namespace["metrics"]["loss"].shape == (8,)
