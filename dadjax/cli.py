@@ -1,4 +1,4 @@
-"""The ``dadjax`` command: ``dadjax train``, ``demo``, ``methods`` and ``plot``.
+"""The ``dadjax`` command: ``dadjax train``, ``demo``, ``methods``, ``plot`` and ``netlab``.
 
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
   p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)
+  from dadjax.netlab._cli import add_parser as add_netlab  # pylint: disable=g-import-not-at-top
+  add_netlab(sub, _debug_flag)
   return parser
 
 

@@ -72,6 +72,10 @@ def initialize(
     local_device_ids=None,
     *,
     cpu_collectives: str | None = "gloo",
+    collectives_hostname: str | None = None,
+    collectives_interface: str | None = None,
+    coordinator_bind_address: str | None = None,
+    initialization_timeout: int | None = None,
 ) -> None:
   """Start JAX's multi-host runtime (wraps ``jax.distributed.initialize``).
 
@@ -80,22 +84,92 @@ def initialize(
   collectives need an implementation (``"gloo"`` by default); it is set
   before the runtime starts, as JAX requires.
 
+  The collectives' network identity: gloo publishes, for every process, an
+  address its peers connect to. By default that is what the host name
+  (``gethostname()``) resolves to, which is wrong on multi-NIC hosts and in
+  network namespaces (it often resolves to ``127.0.0.1``). Pass
+  ``collectives_hostname`` (a name or an address of this process's
+  interface that peers can reach) or ``collectives_interface`` (an
+  interface name, e.g. ``"eth1"``; gloo uses its address). dadjax then
+  builds the CPU client with gloo's TCP collectives for that identity,
+  through ``jax.extend.backend.register_backend_factory``, before any
+  backend starts. For GPU collectives (NCCL) the identity is NCCL's own
+  environment: ``NCCL_SOCKET_IFNAME=eth1`` (and ``NCCL_IB_HCA`` for
+  InfiniBand), set before the process starts; the coordinator's listening
+  address is ``coordinator_bind_address``.
+
   Args:
     coordinator_address: ``"host:port"`` of process 0.
     num_processes: total number of processes.
     process_id: this process's rank in ``[0, num_processes)``.
     local_device_ids: devices of this process to use.
     cpu_collectives: ``"gloo"``, ``"mpi"`` or ``None`` to leave JAX's default.
+    collectives_hostname: gloo only: host name or address peers reach this
+      process's collectives at (default: gloo's, from ``gethostname()``).
+    collectives_interface: gloo only: network interface whose address the
+      collectives use (default: gloo's choice).
+    coordinator_bind_address: ``"address:port"`` process 0's coordinator
+      listens on (default: every address, the port of ``coordinator_address``).
+    initialization_timeout: seconds to wait for every process (JAX's
+      default, 300, when ``None``).
+
+  Raises:
+    ValueError: a bad rank or process count, a network identity without
+      gloo, or a backend that has already started (call this first).
   """
   if num_processes is not None and num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+  identity = collectives_hostname is not None or collectives_interface is not None
+  if identity and cpu_collectives != "gloo":
+    raise ValueError("collectives_hostname / collectives_interface set gloo's network identity; "
+                     f"they need cpu_collectives='gloo', got {cpu_collectives!r} (for NCCL set "
+                     "NCCL_SOCKET_IFNAME in the environment)")
+  for name, value in (("collectives_hostname", collectives_hostname),
+                      ("collectives_interface", collectives_interface)):
+    if value is not None and not (isinstance(value, str) and value):
+      raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  if identity:
+    _register_gloo_cpu_client(collectives_hostname, collectives_interface)
+  kwargs = {}
+  if coordinator_bind_address is not None:
+    kwargs["coordinator_bind_address"] = coordinator_bind_address
+  if initialization_timeout is not None:
+    kwargs["initialization_timeout"] = int(initialization_timeout)
   jax.distributed.initialize(
       coordinator_address=coordinator_address,
       num_processes=num_processes,
       process_id=process_id,
       local_device_ids=local_device_ids,
+      **kwargs,
   )
+
+
+def _register_gloo_cpu_client(hostname: str | None, interface: str | None) -> None:
+  """Make the CPU backend use gloo's TCP collectives at ``hostname`` / ``interface``.
+
+  JAX's own CPU factory calls ``make_gloo_tcp_collectives`` without them;
+  this registers a factory that passes them (same priority, so it replaces
+  JAX's). It must run before the backend starts.
+  """
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  from jax.extend.backend import register_backend_factory  # pylint: disable=g-import-not-at-top
+
+  if xla_bridge.backends_are_initialized():
+    raise ValueError("collectives_hostname / collectives_interface must be set before any JAX "
+                     "computation starts a backend; call dadjax.initialize first")
+
+  def factory():
+    client = distributed.global_state.client
+    if client is None:  # no multi-process runtime: JAX's plain CPU client
+      return xla_bridge.make_cpu_client()
+    collectives = _jax.make_gloo_tcp_collectives(distributed_client=client, hostname=hostname,
+                                                 interface=interface)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  register_backend_factory("cpu", factory, priority=0, fail_quietly=False)

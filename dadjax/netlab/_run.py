@@ -1,0 +1,182 @@
+"""Run a dadjax config across a :class:`~dadjax.netlab.Lab`: one process per site, real links."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from dadjax.errors import DadjaxError
+from dadjax.netlab._lab import Lab, parse_rate
+
+COORDINATOR_PORT = 47611
+
+
+@dataclasses.dataclass
+class LabRun:
+  """What one lab run measured (per step, seconds; site 0's view unless said).
+
+  Attributes:
+    sites: number of sites (processes).
+    rate: link rate in bits/s (``None``: unshaped), ``delay``: added one-way delay, s.
+    step_s: wall time of every step, site 0 (the first one compiles).
+    compute_s: the compute-only replica's step times, every site's, pooled.
+    evals: ``[{"step", "train_s", "accuracy", "loss", ...}]`` (site 0).
+    params: the final parameters (site 0) as a list of arrays, in
+      ``jax.tree.leaves`` order.
+    ledger: per-site payload bits and compiled collective ops of the step
+      (``reduce_bits``, ``gather_bits``, ``reduce_ops``, ``gather_ops``, ...).
+    sites_results: every site's raw result.
+  """
+
+  sites: int
+  rate: float | None
+  delay: float
+  step_s: list
+  compute_s: list
+  evals: list
+  params: list
+  ledger: dict
+  sites_results: list
+
+  @property
+  def step_time(self) -> float:
+    """Median step time after the first (compiling) step."""
+    steps = self.step_s[1:] or self.step_s
+    return statistics.median(steps)
+
+  @property
+  def compute_time(self) -> float:
+    """Median compute-only step time over every site's replica."""
+    return statistics.median(self.compute_s) if self.compute_s else 0.0
+
+  @property
+  def comm_time(self) -> float:
+    """Median step time minus median compute time: the step's communication."""
+    return self.step_time - self.compute_time
+
+  def summary(self) -> dict:
+    return {"sites": self.sites, "rate_bits": self.rate, "delay_s": self.delay,
+            "step_s": self.step_time, "compute_s": self.compute_time, "comm_s": self.comm_time,
+            "steps": len(self.step_s), "final": self.evals[-1] if self.evals else None,
+            **self.ledger}
+
+
+def _worker_env() -> dict:
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
+  import dadjax  # pylint: disable=g-import-not-at-top
+  root = str(pathlib.Path(dadjax.__file__).resolve().parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                  else []))
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
+               target: float | None = None, timeout: float = 600,
+               workdir: str | None = None, rates=None, ledger: bool = True):
+  """Train ``config`` with one process per site of ``lab`` (entered); measure every step.
+
+  Args:
+    lab: an entered :class:`Lab`; ``config["num_sites"]`` becomes ``lab.sites``.
+    config: :class:`~dadjax.config.Config` fields (``method``, ``steps``, ...),
+      or a list of them: trained one after the other by the same processes
+      (one start-up for all).
+    compute_steps: steps of the compute-only replica to time (0: none).
+    eval_every: evaluate (test set) every this many steps, and at the end.
+    target: stop once the test accuracy reaches this (at an evaluation).
+    timeout: seconds for the whole run before the processes are killed.
+    workdir: where the sites write their results (default: a temporary dir).
+    rates: with a list of configs, the link rate for each (``None``: keep);
+      the lab changes it between runs, while the processes wait.
+    ledger: read each run's payload bits and compiled collective ops (one
+      more compile per run) into ``LabRun.ledger``.
+
+  Returns:
+    A :class:`LabRun` (a list of them for a list of configs).
+
+  Raises:
+    DadjaxError: a site failed or timed out (its output's tail is in the message).
+  """
+  configs = [config] if isinstance(config, dict) else list(config)
+  if not configs or not all(isinstance(c, dict) for c in configs):
+    raise ValueError(f"config must be a dict of Config fields or a list of them, got {config!r}")
+  rates = [None] * len(configs) if rates is None else list(rates)
+  if len(rates) != len(configs):
+    raise ValueError(f"rates must give one rate per config ({len(configs)}), got {len(rates)}")
+  tmp = tempfile.mkdtemp(prefix="dadjax-netlab-") if workdir is None else workdir
+  env = _worker_env()
+  coordinator = f"{lab.addresses[0]}:{COORDINATOR_PORT}"
+  runs = [{"config": dict(c), "compute_steps": compute_steps, "eval_every": eval_every,
+           "target": target, "ledger": ledger} for c in configs]
+  procs, logs = [], []
+  for i in range(lab.sites):
+    spec = {"coordinator": coordinator, "num_processes": lab.sites, "process_id": i,
+            "address": lab.addresses[i], "out": os.path.join(tmp, f"site{i}.json"), "runs": runs}
+    path = os.path.join(tmp, f"spec{i}.json")
+    pathlib.Path(path).write_text(json.dumps(spec))
+    log = open(os.path.join(tmp, f"site{i}.log"), "w")
+    logs.append(log)
+    procs.append(lab.popen(i, [sys.executable, "-m", "dadjax.netlab._worker", path], env=env,
+                           stdout=log, stderr=subprocess.STDOUT))
+  initial = lab.rate
+  if rates[0] is not None:
+    lab.set_rate(rates[0])
+  deadline = time.monotonic() + timeout
+  failed = None
+  next_run = 1
+  try:
+    while any(p.poll() is None for p in procs):
+      if next_run < len(configs) and all(
+          os.path.exists(os.path.join(tmp, f"ready{next_run}.{i}")) for i in range(lab.sites)):
+        if rates[next_run] is not None:
+          lab.set_rate(rates[next_run])
+        pathlib.Path(tmp, f"go{next_run}").touch()
+        next_run += 1
+      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if bad:
+        failed = bad[0]
+        break
+      if time.monotonic() > deadline:
+        failed = -1
+        break
+      time.sleep(0.1)
+    if failed is None:
+      failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  if failed is not None:
+    site = 0 if failed < 0 else failed
+    tail = pathlib.Path(tmp, f"site{site}.log").read_text()[-3000:]
+    what = f"timed out after {timeout:.0f} s" if failed < 0 else f"site {site} failed"
+    raise DadjaxError(f"netlab: the run {what}; its log ({tmp}/site{site}.log) ends:\n{tail}")
+  per_site = [json.loads(pathlib.Path(tmp, f"site{i}.json").read_text()) for i in range(lab.sites)]
+  out = []
+  for k in range(len(configs)):
+    results = [site[k] for site in per_site]
+    with np.load(os.path.join(tmp, f"params{k}.npz")) as f:
+      params = [f[f"p{i}"] for i in range(len(f.files))]
+    first = results[0]
+    ledger = {key: first[key] for key in ("reduce_bits", "gather_bits", "reduce_ops", "gather_ops",
+                                          "reduce_op_bytes", "gather_op_bytes") if key in first}
+    compute = [t for r in results for t in r.get("compute_s", [])]
+    rate = next((r for r in rates[k::-1] if r is not None), None)
+    rate = initial if rate is None else parse_rate(rate)
+    out.append(LabRun(lab.sites, rate, lab.delay, first["step_s"], compute, first["evals"],
+                      params, ledger, results))
+  return out[0] if isinstance(config, dict) else out

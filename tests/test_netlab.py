@@ -1,0 +1,162 @@
+"""The network lab: namespaces, shaped links, one process per site (needs root and iproute2)."""
+
+import ipaddress
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from dadjax.errors import DadjaxError
+from dadjax.netlab import Lab, LabUnavailable, check_available, parse_rate, parse_time, run_in_lab
+from dadjax.netlab import _lab
+
+
+def _lab_reason():
+  """Why a lab cannot be built here (None: it can)."""
+  try:
+    check_available()
+    with Lab(1):
+      pass
+  except (LabUnavailable, DadjaxError) as e:
+    return str(e)
+  return None
+
+
+# -- arguments and refusals (no root needed) ------------------------------------------------
+
+def test_parse_rate_and_time():
+  assert parse_rate("100mbit") == 100e6
+  assert parse_rate("1gbit") == 1e9
+  assert parse_rate("10mbps") == 80e6
+  assert parse_rate(5e6) == 5e6
+  assert parse_rate(None) is None
+  assert parse_time("10ms") == pytest.approx(0.01)
+  assert parse_time("200us") == pytest.approx(2e-4)
+  assert parse_time(0) == 0.0
+  for bad in ("fast", "10 furlongs", "-1mbit", "1kbit"):
+    with pytest.raises(ValueError, match="rate"):
+      parse_rate(bad)
+  with pytest.raises(ValueError, match="delay"):
+    parse_time("soon")
+  with pytest.raises(ValueError, match="delay"):
+    parse_time(11)
+
+
+def test_lab_arguments_are_checked_before_anything_is_built():
+  with pytest.raises(ValueError, match="sites"):
+    Lab(0)
+  with pytest.raises(ValueError, match="sites"):
+    Lab(True)
+  with pytest.raises(ValueError, match="jitter"):
+    Lab(2, delay="1ms", jitter="2ms")
+  with pytest.raises(ValueError, match="loss"):
+    Lab(2, loss=0.9)
+  with pytest.raises(ValueError, match="prefix"):
+    Lab(2, prefix="Bad-1")
+
+
+def test_refuses_clearly_without_root_or_iproute2(monkeypatch):
+  monkeypatch.setattr(_lab.sys, "platform", "linux")
+  monkeypatch.setattr(_lab.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+  monkeypatch.setattr(_lab.os, "geteuid", lambda: 1000)
+  with pytest.raises(LabUnavailable, match="root"):
+    check_available()
+  with pytest.raises(LabUnavailable, match="root"):
+    Lab(2).__enter__()
+  monkeypatch.setattr(_lab.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/ip")
+  with pytest.raises(LabUnavailable, match="iproute2: tc not found"):
+    check_available()
+
+
+def test_cli_refusal_is_one_line(monkeypatch, capsys):
+  from dadjax import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_lab.os, "geteuid", lambda: 1000)
+  monkeypatch.setattr(_lab.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+  assert cli.main(["netlab", "--sites", "2", "--rate", "10mbit", "train", "steps=1"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("dadjax: error: the network lab") and "root" in err
+  assert cli.main(["netlab", "--rate", "fast", "train"]) == 2
+  assert "rate must be" in capsys.readouterr().err
+
+
+def test_initialize_checks_the_network_identity():
+  import dadjax  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="cpu_collectives='gloo'"):
+    dadjax.initialize("198.18.0.1:1", 2, 0, cpu_collectives="mpi", collectives_hostname="h")
+  with pytest.raises(ValueError, match="collectives_interface"):
+    dadjax.initialize("198.18.0.1:1", 2, 0, collectives_interface="")
+
+
+# -- the lab itself ---------------------------------------------------------------------------
+
+def _system_names():
+  ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True,
+                                    text=True).stdout or "[]")
+  qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+  return ns, " ".join(link["ifname"] for link in links), qdiscs
+
+
+@pytest.mark.multihost
+def test_two_sites_behind_a_shaped_link_train_like_the_unshaped_run():
+  reason = _lab_reason()
+  if reason:
+    pytest.skip(f"cannot build network namespaces here: {reason}")
+  # 85k parameters: the 50 Mbit/s link's bandwidth term (~60 ms a step) is visible over latency.
+  base = dict(steps=5, batch_per_site=16, model_kwargs={"hidden": [256, 256]}, eval_every=100)
+  configs = [dict(base, method="allreduce"), dict(base, method="topk:0.05")]
+  with Lab(2) as plain:  # one process per site, kernel bridge, no shaping
+    reference = run_in_lab(plain, configs, compute_steps=0, ledger=False, timeout=300)
+  with Lab(2, rate="50mbit", delay="5ms") as lab:
+    assert lab.relay is not None and lab.relay.poll() is None  # the delay goes through the relay
+    subnet = ipaddress.ip_network("198.18.0.0/24")
+    for ns in [lab.switch, *lab.namespaces]:
+      for route in lab.routes(ns):
+        assert route["family"] == "-4" and route["dst"] != "default", (ns, route)
+        dst = ipaddress.ip_network(route["dst"] if "/" in route["dst"] else route["dst"] + "/32")
+        assert dst.subnet_of(subnet) or dst.subnet_of(ipaddress.ip_network("127.0.0.0/8")), route
+    made = list(lab.created)
+    shaped = run_in_lab(lab, configs + configs[:1], rates=[None, None, "25mbit"], ledger=False,
+                        timeout=300)
+  assert {kind for kind, _, _ in made} == {"netns", "veth", "qdisc"}
+  assert sum(kind == "qdisc" for kind, _, _ in made) == 4  # both ends of both links
+  for ref, run in zip(reference, shaped):
+    for a, b in zip(ref.params, run.params):
+      np.testing.assert_array_equal(a, b)
+    assert run.comm_time > 0 and run.compute_time > 0
+  for a, b in zip(reference[0].params, shaped[2].params):
+    np.testing.assert_array_equal(a, b)
+  assert shaped[2].rate == 25e6 and shaped[0].rate == 50e6
+  assert shaped[2].comm_time > shaped[0].comm_time  # half the rate: more time on the wire
+  # Everything the labs created is gone.
+  assert not lab.leftovers() and not plain.leftovers()
+  ns, links, qdiscs = _system_names()
+  for name in [plain.switch, *plain.namespaces, lab.switch, *lab.namespaces]:
+    assert name not in ns.split()
+  for _, _, name in made:
+    assert name.split()[0] not in links and name.split()[0] not in qdiscs
+  assert plain.tag not in links and lab.tag not in links
+
+
+@pytest.mark.multihost
+def test_lab_is_torn_down_after_a_crash_and_stale_labs_are_swept():
+  reason = _lab_reason()
+  if reason:
+    pytest.skip(f"cannot build network namespaces here: {reason}")
+  with pytest.raises(RuntimeError, match="boom"):
+    with Lab(2, rate="10mbit", delay="1ms") as lab:
+      assert len(lab.leftovers()) == 3
+      raise RuntimeError("boom")
+  assert not lab.leftovers()
+  # A lab whose owner died (here: a finished child's pid) is swept.
+  child = subprocess.Popen(["true"])
+  child.wait()
+  stale = f"dxl{child.pid}sw"
+  subprocess.run(["ip", "netns", "add", stale], check=True)
+  try:
+    assert stale in _lab.lab_namespaces()
+    assert stale in _lab.sweep()
+    assert stale not in _lab.lab_namespaces()
+  finally:
+    subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
