@@ -160,3 +160,40 @@ def test_lab_is_torn_down_after_a_crash_and_stale_labs_are_swept():
     assert stale not in _lab.lab_namespaces()
   finally:
     subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
+
+
+# -- the calibrated model ---------------------------------------------------------------------
+
+def test_calibrated_model_charges_round_trips_per_call_and_goodput():
+  from dadjax.comm import GLOO_TCP, NetworkModel, TransportFit  # pylint: disable=g-import-not-at-top
+  plain = NetworkModel(100e6, 0.005, 4)
+  exact = NetworkModel.calibrated(100e6, 0.005, 4, TransportFit())  # 1 RTT per step, goodput 1
+  bits = 8_000_000
+  assert plain.allreduce_time(bits, 1) == pytest.approx(1.5 * bits / 100e6 + 6 * 0.005)
+  assert exact.allreduce_time(bits, 1) == pytest.approx(1.5 * bits / 100e6 + 6 * 0.010)
+  assert exact.allgather_time(bits, 3) == pytest.approx(3 * bits / 100e6 + 3 * 3 * 0.010)
+  slow = NetworkModel.calibrated(100e6, 0.0, 4, TransportFit(reduce_goodput=0.5,
+                                                             step_overhead=1e-3))
+  assert slow.allreduce_time(bits, 2) == pytest.approx(1.5 * bits / 50e6 + 2 * 6 * 1e-3)
+  assert NetworkModel.calibrated(1e9, 0.0, 2).fit is GLOO_TCP
+  with pytest.raises(ValueError, match="reduce_goodput"):
+    TransportFit(reduce_goodput=1.5)
+  with pytest.raises(ValueError, match="fit"):
+    NetworkModel(fit="gloo")
+  with pytest.raises(ValueError, match="ring"):
+    NetworkModel(topology="ps", fit=TransportFit())
+
+
+def test_collective_operands_counts_every_operand_of_a_combined_op():
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from dadjax import make_mesh  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab import collective_operands  # pylint: disable=g-import-not-at-top
+  mesh = make_mesh(4, "d")
+  fn = jax.jit(jax.shard_map(lambda a, b, c: jax.lax.psum((a, b, c), "d"), mesh=mesh,
+                             in_specs=(P("d"),) * 3, out_specs=(P("d"),) * 3))
+  x = jax.numpy.ones((4, 16))
+  text = fn.lower(x, x * 2, x[:, :8]).compile().as_text()
+  ops = hlo_collectives(text)
+  assert collective_operands(text)["reduce"] == 3 >= ops.count["reduce"] >= 1

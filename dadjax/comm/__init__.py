@@ -39,7 +39,7 @@ from dadjax.comm._collectives import (
     sum_over_sites,
 )
 from dadjax.comm._accumulate import AccumulateState, accumulate
-from dadjax.comm._cost import HierarchicalNetwork, NetworkModel
+from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
 from dadjax.comm._report import Report, gradient_baseline, report
 from dadjax.comm._hlo import (CollectiveOp, CollectiveOps, collective_ops, compiled_collectives,
                               hlo_collectives)
@@ -81,6 +81,8 @@ __all__ = [
     "CommStats",
     "CommSummary",
     "NetworkModel",
+    "TransportFit",
+    "GLOO_TCP",
     "HierarchicalNetwork",
     "IntraSiteStats",
     "allreduce",

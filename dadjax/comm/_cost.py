@@ -10,6 +10,15 @@ per bit on the busiest link. For ``N`` sites each handing a payload of
   workers' traffic): all-reduce ``2 N B / bw + 2 alpha`` (N payloads in,
   N results out); all-gather ``N B / bw + N (N-1) B / bw + 2 alpha``.
 
+A calibrated mode, :meth:`NetworkModel.calibrated`, keeps the ring's wire
+bits but charges what a real ring transport (gloo over TCP, measured in
+:mod:`dadjax.netlab`) does: each *call* pays its ring steps (``2(N-1)`` for
+an all-reduce, ``N-1`` for an all-gather) at ``rtt_per_step`` round trips
+(``2 * latency``, the one-way latency) plus a software floor per step, and
+the bytes move at a goodput below the line rate (TCP over Ethernet frames;
+the all-gather's own). XLA:CPU issues one gloo call per *operand* of a
+combined collective, so pass operand counts as ``ops`` in this mode.
+
 The bandwidth term comes from the ledger's payload bits
 (:mod:`dadjax.comm._wire` defines the wire bits). The latency term is
 charged per collective *op*: pass the ops the compiled program really runs
@@ -40,13 +49,73 @@ from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits
 
 
 @dataclasses.dataclass(frozen=True)
+class TransportFit:
+  """Fitted constants of a real ring transport, for :meth:`NetworkModel.calibrated`.
+
+  Attributes:
+    rtt_per_step: latency of one ring step, in round trips (``2 * latency``).
+    step_overhead: seconds per ring step on top of that (software floor).
+    reduce_goodput: all-reduce payload rate over the line rate (in (0, 1]).
+    gather_goodput: all-gather payload rate over the line rate (in (0, 1]).
+    source: where the numbers come from.
+  """
+
+  rtt_per_step: float = 1.0
+  step_overhead: float = 0.0
+  reduce_goodput: float = 1.0
+  gather_goodput: float = 1.0
+  source: str = ""
+
+  def __post_init__(self):
+    for name in ("rtt_per_step", "step_overhead"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("reduce_goodput", "gather_goodput"):
+      if not 0 < getattr(self, name) <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+  def goodput(self, kind: str) -> float:
+    return self.reduce_goodput if kind == "reduce" else self.gather_goodput
+
+
+# gloo's ring over TCP, HTB-shaped veth links, one process per site (2 shared CPU cores);
+# experiments/results/netlab_calibration.md has the measurements and the fit.
+GLOO_TCP = TransportFit(rtt_per_step=0.8, step_overhead=0.0, reduce_goodput=0.956,
+                        gather_goodput=0.65, source="netlab calibration (placeholder)")
+
+
+@dataclasses.dataclass(frozen=True)
 class NetworkModel:
-  """Bandwidth in bits/s, latency in seconds per message, number of sites, topology."""
+  """Bandwidth in bits/s, latency in seconds per message, number of sites, topology.
+
+  ``fit``: a :class:`TransportFit` (see :meth:`calibrated`); ``None`` is the
+  textbook alpha-beta model.
+  """
 
   bandwidth: float = 1e9
   latency: float = 50e-6
   num_sites: int = 8
   topology: str = "ring"
+  fit: TransportFit | None = None
+
+  @classmethod
+  def calibrated(cls, bandwidth: float, latency: float, num_sites: int,
+                 fit: TransportFit | None = None) -> "NetworkModel":
+    """A ring model with a measured transport's constants (default :data:`GLOO_TCP`).
+
+    Args:
+      bandwidth: the link's line rate, bits/s.
+      latency: the link's one-way delay, seconds (a ring step costs
+        ``fit.rtt_per_step * 2 * latency + fit.step_overhead``).
+      num_sites: sites in the ring.
+      fit: the transport's constants (default: gloo over TCP as measured by
+        ``experiments/netlab_calibration.py``).
+
+    Its ``allreduce_time(bits, messages)`` / ``allgather_time`` take
+    ``messages`` = gloo calls, i.e. the *operands* of the compiled
+    collectives (``dadjax.netlab.collective_operands``), not the ops.
+    """
+    return cls(bandwidth, latency, num_sites, "ring", GLOO_TCP if fit is None else fit)
 
   def __post_init__(self):
     if not self.bandwidth > 0:
@@ -58,6 +127,11 @@ class NetworkModel:
       raise ValueError(f"num_sites must be an int >= 1, got {self.num_sites}")
     if self.topology not in TOPOLOGIES:
       raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+    if self.fit is not None and not isinstance(self.fit, TransportFit):
+      raise ValueError(f"fit must be a TransportFit or None, got {self.fit!r}")
+    if self.fit is not None and self.topology != "ring":
+      raise ValueError(f"a TransportFit describes a ring; topology must be 'ring', got "
+                       f"{self.topology!r}")
 
   def wire_bits(self, kind: str, bits: int) -> float:
     """Wire bits per site for a payload of ``bits`` per site handed to ``kind``."""
@@ -69,6 +143,9 @@ class NetworkModel:
       return 0.0
     busiest = self.wire_bits(kind, bits) * link_load(n, self.topology)
     messages_total = latency_messages(kind, n, self.topology) * messages
+    if self.fit is not None:
+      step = self.fit.rtt_per_step * 2 * self.latency + self.fit.step_overhead
+      return busiest / (self.bandwidth * self.fit.goodput(kind)) + messages_total * step
     return busiest / self.bandwidth + messages_total * self.latency
 
   def allreduce_time(self, bits: int, messages: int = 1) -> float:

@@ -8,7 +8,7 @@
   address, IPv6 off);
 * a switch namespace ``<prefix><pid>sw`` holding the other end of every
   site's link (``<prefix><pid>b<i>``) and either a kernel bridge
-  ``<prefix><pid>br`` (no added delay) or the lab's delay relay
+  ``<prefix><pid>br`` (no added delay, jitter or loss) or the lab's delay relay
   (:mod:`dadjax.netlab._relay`; this kernel family often has no netem);
 * HTB on both ends of each link: the site's upload on its interface, its
   download on the switch's port, both at ``rate``.
@@ -172,6 +172,8 @@ class Lab:
       the switch. ``0``: a kernel bridge, no relay.
     jitter: uniform +- jitter on the delay (never reorders frames).
     loss: probability a frame is dropped in the switch, in ``[0, 0.5]``.
+    relay: use the delay relay as the switch (``None``: when ``delay`` or
+      ``jitter`` or ``loss`` is set); with it :meth:`set_delay` works.
     prefix: what every name the lab creates starts with (letters, <= 4).
 
   Attributes (after entering): ``namespaces`` (site namespaces), ``switch``
@@ -181,7 +183,7 @@ class Lab:
   """
 
   def __init__(self, sites: int, rate=None, delay=0.0, jitter=0.0, loss=0.0, *,
-               prefix: str = PREFIX):
+               relay: bool | None = None, prefix: str = PREFIX):
     if isinstance(sites, bool) or not (isinstance(sites, int) and 1 <= sites <= MAX_SITES):
       raise ValueError(f"sites must be an int in [1, {MAX_SITES}], got {sites!r}")
     if not re.fullmatch(r"[a-z]{1,4}", prefix):
@@ -195,6 +197,9 @@ class Lab:
     if not (isinstance(loss, (int, float)) and 0 <= loss <= 0.5):
       raise ValueError(f"loss must be a probability in [0, 0.5], got {loss!r}")
     self.loss = float(loss)
+    self.use_relay = bool(self.delay or self.jitter or self.loss) if relay is None else bool(relay)
+    if not self.use_relay and (self.delay or self.loss):
+      raise ValueError("relay=False: a kernel bridge adds no delay, jitter or loss")
     self.prefix = prefix
     self.owner = os.getpid()
     tag = f"{prefix}{self.owner}"
@@ -256,7 +261,7 @@ class Lab:
     self._add_ns(self.switch)
     for ns in self.namespaces:
       self._add_ns(ns)
-    if self.delay == 0:
+    if not self.use_relay:
       _run("ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge")
       self.created.append(("bridge", self.switch, self.bridge))
       _run("ip", "-n", self.switch, "link", "set", self.bridge, "up")
@@ -267,12 +272,12 @@ class Lab:
       self.created.append(("veth", self.switch, b))
       _run("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/{SUBNET.prefixlen}", "dev", a)
       _run("ip", "-n", ns, "link", "set", a, "up")
-      if self.delay == 0:
+      if not self.use_relay:
         _run("ip", "-n", self.switch, "link", "set", b, "master", self.bridge)
       _run("ip", "-n", self.switch, "link", "set", b, "up")
       self._shape(ns, a)
       self._shape(self.switch, b)
-    if self.delay > 0:
+    if self.use_relay:
       self._start_relay()
     self.check_isolated()
 
@@ -282,8 +287,8 @@ class Lab:
     argv = ["ip", "netns", "exec", self.switch, sys.executable, relay,
             "--delay", repr(self.delay), "--jitter", repr(self.jitter), "--loss", repr(self.loss),
             *(f"{b}={mac}" for b, mac in zip(self.ports, self.macs))]
-    self.relay = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+    self.relay = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
     line = self.relay.stdout.readline().strip()
     if line != "ready":
       err = self.relay.stderr.read() if self.relay.poll() is not None else ""
@@ -302,6 +307,22 @@ class Lab:
                     *((self.switch, b) for b in self.ports)]:
       _run("ip", "netns", "exec", ns, "tc", "class", "change", "dev", dev, "parent", "1:",
            "classid", "1:1", "htb", "rate", bits, "ceil", bits)
+
+  def set_delay(self, delay, jitter=0.0, loss=0.0) -> None:
+    """Change the relay's delay, jitter and loss in place (a lab built with the relay)."""
+    if self.relay is None or self.relay.poll() is not None:
+      raise ValueError("set_delay needs the delay relay: build the Lab with a delay or relay=True")
+    delay, jitter = parse_time(delay), parse_time(jitter, "jitter")
+    if jitter > delay:
+      raise ValueError(f"jitter must be <= delay ({delay} s), got {jitter}")
+    if not (isinstance(loss, (int, float)) and 0 <= loss <= 0.5):
+      raise ValueError(f"loss must be a probability in [0, 0.5], got {loss!r}")
+    self.relay.stdin.write(f"{delay!r} {jitter!r} {float(loss)!r}\n")
+    self.relay.stdin.flush()
+    answer = self.relay.stdout.readline().strip()
+    if answer != "ok":
+      raise DadjaxError(f"netlab: the relay refused the new delay: {answer}")
+    self.delay, self.jitter, self.loss = delay, jitter, float(loss)
 
   def command(self, site: int, argv) -> list[str]:
     """``argv`` run inside site ``site``'s namespace."""

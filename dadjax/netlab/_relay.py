@@ -13,7 +13,9 @@ each link), so a frame leaving the relay still queues behind the site's
 shaped download.
 
 Run: ``python dadjax/netlab/_relay.py --delay 0.005 PORT=MAC ...``; it prints
-``ready`` once every port is open and runs until SIGTERM.
+``ready`` once every port is open and runs until SIGTERM or the end of its
+standard input. A line ``DELAY JITTER LOSS`` on standard input changes the
+three (frames already held keep their times); it answers ``ok``.
 """
 
 from __future__ import annotations
@@ -106,7 +108,14 @@ class Relay:
     for t in threads:
       t.start()
     print("ready", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    for line in sys.stdin:  # control: "DELAY JITTER LOSS"
+      try:
+        delay, jitter, loss = (float(v) for v in line.split())
+      except ValueError:
+        print(f"error: expected 'DELAY JITTER LOSS', got {line.strip()!r}", flush=True)
+        continue
+      self.delay, self.jitter, self.loss = delay, jitter, loss
+      print("ok", flush=True)
 
 
 def main(argv=None) -> int:
@@ -116,7 +125,7 @@ def main(argv=None) -> int:
   parser.add_argument("--loss", type=float, default=0.0, help="drop probability per frame")
   parser.add_argument("ports", nargs="+", help="IFNAME=MAC")
   args = parser.parse_args(argv)
-  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the lab ends it (SIGTERM / SIGKILL)
   relay = Relay(dict(p.split("=", 1) for p in args.ports), args.delay, args.jitter, args.loss)
   relay.run()
   return 0

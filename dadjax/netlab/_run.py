@@ -82,6 +82,73 @@ def _worker_env() -> dict:
   return env
 
 
+def launch(lab: Lab, module: str, spec: dict, phases: int, before, timeout: float,
+           workdir: str) -> list:
+  """Start ``python -m module SPEC`` in every site; return each site's JSON result.
+
+  Every site's ``SPEC`` is ``spec`` plus ``coordinator``, ``num_processes``,
+  ``process_id``, ``address`` and ``out``. Before phase ``k`` (``0 <= k <
+  phases``) ``before(k)`` runs; for ``k > 0`` the sites wait for it
+  (``ready<k>.<rank>`` / ``go<k>`` files in ``workdir``).
+  """
+  env = _worker_env()
+  coordinator = f"{lab.addresses[0]}:{COORDINATOR_PORT}"
+  before(0)
+  procs, logs = [], []
+  for i in range(lab.sites):
+    site_spec = {**spec, "coordinator": coordinator, "num_processes": lab.sites,
+                 "process_id": i, "address": lab.addresses[i],
+                 "out": os.path.join(workdir, f"site{i}.json")}
+    path = os.path.join(workdir, f"spec{i}.json")
+    pathlib.Path(path).write_text(json.dumps(site_spec))
+    log = open(os.path.join(workdir, f"site{i}.log"), "w")
+    logs.append(log)
+    procs.append(lab.popen(i, [sys.executable, "-m", module, path], env=env, stdout=log,
+                           stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + timeout
+  failed = None
+  next_phase = 1
+  try:
+    while any(p.poll() is None for p in procs):
+      if next_phase < phases and all(os.path.exists(os.path.join(workdir, f"ready{next_phase}.{i}"))
+                                     for i in range(lab.sites)):
+        before(next_phase)
+        pathlib.Path(workdir, f"go{next_phase}").touch()
+        next_phase += 1
+      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if bad:
+        failed = bad[0]
+        break
+      if time.monotonic() > deadline:
+        failed = -1
+        break
+      time.sleep(0.05)
+    if failed is None:
+      failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  if failed is not None:
+    site = 0 if failed < 0 else failed
+    tail = pathlib.Path(workdir, f"site{site}.log").read_text()[-3000:]
+    what = f"timed out after {timeout:.0f} s" if failed < 0 else f"site {site} failed"
+    raise DadjaxError(f"netlab: the run {what}; its log ({workdir}/site{site}.log) "
+                      f"ends:\n{tail}")
+  return [json.loads(pathlib.Path(workdir, f"site{i}.json").read_text())
+          for i in range(lab.sites)]
+
+
+def wait_phase(workdir: str, k: int, rank: int) -> None:
+  """In a site: before phase ``k > 0``, say ready and wait for the lab's go."""
+  open(os.path.join(workdir, f"ready{k}.{rank}"), "w").close()
+  while not os.path.exists(os.path.join(workdir, f"go{k}")):
+    time.sleep(0.02)
+
+
 def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
                target: float | None = None, timeout: float = 600,
                workdir: str | None = None, rates=None, ledger: bool = True):
@@ -115,68 +182,27 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
   if len(rates) != len(configs):
     raise ValueError(f"rates must give one rate per config ({len(configs)}), got {len(rates)}")
   tmp = tempfile.mkdtemp(prefix="dadjax-netlab-") if workdir is None else workdir
-  env = _worker_env()
-  coordinator = f"{lab.addresses[0]}:{COORDINATOR_PORT}"
   runs = [{"config": dict(c), "compute_steps": compute_steps, "eval_every": eval_every,
            "target": target, "ledger": ledger} for c in configs]
-  procs, logs = [], []
-  for i in range(lab.sites):
-    spec = {"coordinator": coordinator, "num_processes": lab.sites, "process_id": i,
-            "address": lab.addresses[i], "out": os.path.join(tmp, f"site{i}.json"), "runs": runs}
-    path = os.path.join(tmp, f"spec{i}.json")
-    pathlib.Path(path).write_text(json.dumps(spec))
-    log = open(os.path.join(tmp, f"site{i}.log"), "w")
-    logs.append(log)
-    procs.append(lab.popen(i, [sys.executable, "-m", "dadjax.netlab._worker", path], env=env,
-                           stdout=log, stderr=subprocess.STDOUT))
   initial = lab.rate
-  if rates[0] is not None:
-    lab.set_rate(rates[0])
-  deadline = time.monotonic() + timeout
-  failed = None
-  next_run = 1
-  try:
-    while any(p.poll() is None for p in procs):
-      if next_run < len(configs) and all(
-          os.path.exists(os.path.join(tmp, f"ready{next_run}.{i}")) for i in range(lab.sites)):
-        if rates[next_run] is not None:
-          lab.set_rate(rates[next_run])
-        pathlib.Path(tmp, f"go{next_run}").touch()
-        next_run += 1
-      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-      if bad:
-        failed = bad[0]
-        break
-      if time.monotonic() > deadline:
-        failed = -1
-        break
-      time.sleep(0.1)
-    if failed is None:
-      failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
-  if failed is not None:
-    site = 0 if failed < 0 else failed
-    tail = pathlib.Path(tmp, f"site{site}.log").read_text()[-3000:]
-    what = f"timed out after {timeout:.0f} s" if failed < 0 else f"site {site} failed"
-    raise DadjaxError(f"netlab: the run {what}; its log ({tmp}/site{site}.log) ends:\n{tail}")
-  per_site = [json.loads(pathlib.Path(tmp, f"site{i}.json").read_text()) for i in range(lab.sites)]
+
+  def before(k):
+    if rates[k] is not None:
+      lab.set_rate(rates[k])
+
+  per_site = launch(lab, "dadjax.netlab._worker", {"runs": runs}, len(runs), before, timeout, tmp)
   out = []
   for k in range(len(configs)):
     results = [site[k] for site in per_site]
     with np.load(os.path.join(tmp, f"params{k}.npz")) as f:
       params = [f[f"p{i}"] for i in range(len(f.files))]
     first = results[0]
-    ledger = {key: first[key] for key in ("reduce_bits", "gather_bits", "reduce_ops", "gather_ops",
-                                          "reduce_op_bytes", "gather_op_bytes") if key in first}
+    book = {key: first[key] for key in ("reduce_bits", "gather_bits", "reduce_ops", "gather_ops",
+                                        "reduce_operands", "gather_operands", "reduce_op_bytes",
+                                        "gather_op_bytes") if key in first}
     compute = [t for r in results for t in r.get("compute_s", [])]
     rate = next((r for r in rates[k::-1] if r is not None), None)
     rate = initial if rate is None else parse_rate(rate)
     out.append(LabRun(lab.sites, rate, lab.delay, first["step_s"], compute, first["evals"],
-                      params, ledger, results))
+                      params, book, results))
   return out[0] if isinstance(config, dict) else out

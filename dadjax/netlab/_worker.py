@@ -59,9 +59,17 @@ def _local_step(config, dataset, steps_per_epoch):
 def _ledger(step_fn, state, batch) -> dict:
   """Per-site payload bits (the ledger) and the compiled step's collective ops."""
   import dadjax  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab._model import collective_operands  # pylint: disable=g-import-not-at-top
   summary = dadjax.comm_stats(state.opt_state)
-  ops = step_fn.collectives(state, batch)
-  return dict(reduce_bits=int(max(summary.reduce_bits)),
+  # What TrainStep.collectives reads, kept to count the operands too (one compile).
+  program = step_fn._run  # pylint: disable=protected-access
+  text = program.lower(state, step_fn.place_batch(batch)).compile().as_text()
+  ops = hlo_collectives(text)
+  operands = collective_operands(text)
+  return dict(reduce_operands=int(operands.get("reduce", 0)),
+              gather_operands=int(operands.get("gather", 0)),
+              reduce_bits=int(max(summary.reduce_bits)),
               gather_bits=int(max(summary.gather_bits)),
               reduce_ops=int(ops.count.get("reduce", 0)),
               gather_ops=int(ops.count.get("gather", 0)),
@@ -123,6 +131,7 @@ def main(argv=None) -> int:
   spec = json.loads(open(argv[0]).read())
   import dadjax  # pylint: disable=g-import-not-at-top
   from dadjax.config import Config  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab._run import wait_phase  # pylint: disable=g-import-not-at-top
   n, rank = spec["num_processes"], spec["process_id"]
   dadjax.initialize(spec["coordinator"], num_processes=n, process_id=rank,
                     collectives_hostname=spec["address"], initialization_timeout=120)
@@ -130,10 +139,8 @@ def main(argv=None) -> int:
   here = os.path.dirname(spec["out"])
   results = []
   for k, run in enumerate(spec["runs"]):
-    if k:  # let the lab change the links between runs: ready -> wait for go
-      open(os.path.join(here, f"ready{k}.{rank}"), "w").close()
-      while not os.path.exists(os.path.join(here, f"go{k}")):
-        time.sleep(0.02)
+    if k:  # the lab changes the links between runs
+      wait_phase(here, k, rank)
     results.append(_one_run(Config(**{**run["config"], "num_sites": n}), run, rank,
                             os.path.join(here, f"params{k}.npz")))
   with open(spec["out"], "w") as f:
