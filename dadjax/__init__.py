@@ -8,7 +8,7 @@ one bit ledger with a network cost model. :mod:`dadjax.extend` holds the
 building blocks for writing new methods.
 """
 
-from dadjax import comm, compress, dad, data, extend, models, parallel, registry
+from dadjax import comm, compress, dad, data, extend, local, models, parallel, registry
 from dadjax.comm import (AllReduceState, CommStats, CommSummary, NetworkModel, accumulate, allreduce,
                          comm_stats)
 from dadjax.compress import (
@@ -38,7 +38,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     # subpackages
-    "comm", "compress", "dad", "data", "extend", "models", "parallel", "registry",
+    "comm", "compress", "dad", "data", "extend", "local", "models", "parallel", "registry",
     # protocols
     "Compressor", "Method", "BatchStage",
     # methods by name

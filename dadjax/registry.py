@@ -85,7 +85,7 @@ KINDS = ("compressor", "method")
 
 # Imported on the first lookup; optional ones may be absent.
 _BUILTIN_FAMILIES = ("dadjax.compress", "dadjax.dad", "dadjax.methods")
-_OPTIONAL_FAMILIES = ("dadjax.adaptive", "dadjax.dataquant")
+_OPTIONAL_FAMILIES = ("dadjax.adaptive", "dadjax.dataquant", "dadjax.local")
 
 
 class Method(NamedTuple):

@@ -100,4 +100,7 @@ def _accordion_batch(
                            interval=interval, eta=eta, lr_schedule=lr_schedule,
                            axis_name=axis_name)
   wrap(optax.identity())  # check the hyperparameters now, not when the run builds its optimizer
+  if method.wrap is not None:  # a method that wraps the chain itself (local updates) runs inside
+    inner_wrap, outer_wrap = method.wrap, wrap
+    wrap = lambda chain: outer_wrap(inner_wrap(chain))
   return Method("", tx=method.tx, wrap=wrap)

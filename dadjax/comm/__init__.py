@@ -68,11 +68,14 @@ from dadjax.comm._ledger import (
     CommStats,
     IntraSiteStats,
     CommSummary,
+    PeriodicStats,
     comm_stats,
     find_comm_stats,
     intra_ledger_init,
     ledger_init,
     ledger_record,
+    periodic_init,
+    periodic_record,
     tree_dense_bits,
 )
 
@@ -85,6 +88,7 @@ __all__ = [
     "GLOO_TCP",
     "HierarchicalNetwork",
     "IntraSiteStats",
+    "PeriodicStats",
     "allreduce",
     "AllReduceState",
     "FP32_BITS",

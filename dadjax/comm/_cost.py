@@ -173,18 +173,48 @@ class NetworkModel:
     return (self.allreduce_time(max(summary.reduce_bits), reduce_ops)
             + self.allgather_time(max(summary.gather_bits), gather_ops))
 
+  def peak_step_time(self, summary: CommSummary, ops: Any = None) -> float:
+    """Modeled seconds of the busiest step's communication.
+
+    :meth:`step_time` is the mean over the optimizer steps; a method that
+    communicates on some steps only (local updates, a
+    :class:`~dadjax.comm.PeriodicStats` ledger) sends its whole exchange on
+    those steps, which is where a slow link stalls. Without such a ledger
+    the two are equal.
+
+    Args:
+      summary: a ledger read-out (:func:`~dadjax.comm_stats`).
+      ops: as for :meth:`step_time` (the conditional ops of a local-update
+        method charged at the busy step's share); ``None`` charges the
+        busiest step's recorded calls.
+    """
+    if not summary.peak_reduce_bits:
+      return self.step_time(summary, ops)
+    reduce_ops, gather_ops = self._ops(summary, ops, peak=True)
+    return (self.allreduce_time(max(summary.peak_reduce_bits), reduce_ops)
+            + self.allgather_time(max(summary.peak_gather_bits), gather_ops))
+
   def baseline_time(self, summary: CommSummary, number_bits: int = FP32_BITS,
                     ops: int = 1) -> float:
     """Seconds of an all-reduce of the same tensors in ``number_bits`` floats (fp32 or bf16)."""
     return self.allreduce_time(summary.dense_bits_per_step // FP32_BITS * number_bits, ops)
 
   @staticmethod
-  def _ops(summary: CommSummary, ops) -> tuple[int, int]:
+  def _ops(summary: CommSummary, ops, peak: bool = False) -> tuple[float, float]:
     if ops is None:
+      if peak and summary.peak_reduce_calls is not None:
+        return summary.peak_reduce_calls, summary.peak_gather_calls
       return summary.reduce_calls, summary.gather_calls
     count = getattr(ops, "count", ops)
-    return int(count.get("reduce", 0)), int(count.get("gather", 0))
-
+    cond = getattr(ops, "conditional_count", None)
+    if summary.exchange_rate is None or cond is None:
+      return int(count.get("reduce", 0)), int(count.get("gather", 0))
+    # A method that communicates on some steps only (local updates): its
+    # collectives sit in conditional branches that run once per period
+    # (the mean step), a share of them on a busy step (the peak).
+    share = summary.peak_share if peak else summary.exchange_rate
+    return tuple(int(count.get(k, 0)) - int(cond.get(k, 0)) + share * int(cond.get(k, 0))
+                 for k in ("reduce", "gather"))
 
 @dataclasses.dataclass(frozen=True)
 class HierarchicalNetwork:

@@ -117,17 +117,104 @@ def ledger_record(
   )
 
 
+class PeriodicStats(NamedTuple):
+  """The ledger of a transformation that communicates on some optimizer steps only.
+
+  Local-update methods (:mod:`dadjax.local`) exchange every ``H`` steps, or
+  one fragment of the parameters at a time. Such a ledger is recorded on
+  *every* optimizer step (zero bits on the steps without an exchange) and
+  keeps per-kind totals and the largest step, so :func:`comm_stats` reports
+  the mean per optimizer step (a DiLoCo run at ``H = 100`` shows a payload
+  of ``payload / 100`` bits per step) and, apart, the peak step
+  (:attr:`CommSummary.peak_bits_per_step`, where a slow link stalls).
+
+  Attributes:
+    reduce, gather: total bits handed to all-reduce / all-gather collectives.
+    dense: total bits of the dense reference: an fp32 all-reduce of the
+      parameters on every optimizer step (synchronous training).
+    reduce_calls, gather_calls: total collective calls of each kind (int32).
+    peak_reduce, peak_gather, peak_reduce_calls, peak_gather_calls: the
+      step that sent the most bits so far (its split by kind, its calls).
+    updates: optimizer steps recorded (int32).
+    period: steps between two exchanges of the same tensors (``H``, int32).
+    parts: exchanges per period, on different steps (fragments, int32).
+      With ``period`` it says how often the collectives in the compiled
+      program's conditional branches run: each once per ``period`` steps,
+      ``1 / parts`` of them on a busy step.
+  """
+
+  reduce: Bits
+  gather: Bits
+  dense: Bits
+  reduce_calls: jax.Array
+  gather_calls: jax.Array
+  peak_reduce: Bits
+  peak_gather: Bits
+  peak_reduce_calls: jax.Array
+  peak_gather_calls: jax.Array
+  updates: jax.Array
+  period: jax.Array
+  parts: jax.Array
+
+
+def periodic_init(period: int = 1, parts: int = 1) -> PeriodicStats:
+  """An empty :class:`PeriodicStats` of exchanges every ``period`` steps in ``parts`` parts."""
+  z, i = bits_zero(), jnp.int32(0)
+  return PeriodicStats(z, z, z, i, i, z, z, i, i, i, jnp.int32(period), jnp.int32(parts))
+
+
+def _bits_greater(a: Bits, b: Bits) -> jax.Array:
+  return (a.hi > b.hi) | ((a.hi == b.hi) & (a.lo > b.lo))
+
+
+def periodic_record(
+    stats: PeriodicStats,
+    *,
+    reduce: BitsLike = 0,
+    gather: BitsLike = 0,
+    dense: BitsLike = 0,
+    reduce_calls: int | jax.Array = 0,
+    gather_calls: int | jax.Array = 0,
+) -> PeriodicStats:
+  """Record one optimizer step (its exchange, or zeros on a step without one).
+
+  Args: as :func:`ledger_record`; ``dense`` is this step's dense reference.
+
+  Returns:
+    The updated :class:`PeriodicStats`.
+  """
+  reduce, gather, dense = _as_bits(reduce), _as_bits(gather), _as_bits(dense)
+  reduce_calls = jnp.asarray(reduce_calls, jnp.int32)
+  gather_calls = jnp.asarray(gather_calls, jnp.int32)
+  more = _bits_greater(bits_add(reduce, gather), bits_add(stats.peak_reduce, stats.peak_gather))
+  pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(more, n, o), new, old)
+  return PeriodicStats(
+      reduce=bits_add(stats.reduce, reduce),
+      gather=bits_add(stats.gather, gather),
+      dense=bits_add(stats.dense, dense),
+      reduce_calls=stats.reduce_calls + reduce_calls,
+      gather_calls=stats.gather_calls + gather_calls,
+      peak_reduce=pick(reduce, stats.peak_reduce),
+      peak_gather=pick(gather, stats.peak_gather),
+      peak_reduce_calls=pick(reduce_calls, stats.peak_reduce_calls),
+      peak_gather_calls=pick(gather_calls, stats.peak_gather_calls),
+      updates=stats.updates + 1,
+      period=stats.period,
+      parts=stats.parts,
+  )
+
+
 def tree_dense_bits(tree: Any) -> int:
   """Bits of an fp32 all-reduce of every array leaf of ``tree`` (trace-time int)."""
   return sum(int(np.prod(jnp.shape(x))) * FP32_BITS for x in jax.tree.leaves(tree))
 
 
 def _is_stats(x) -> bool:
-  return isinstance(x, CommStats)
+  return isinstance(x, (CommStats, PeriodicStats))
 
 
-def find_comm_stats(state: Any) -> list[CommStats]:
-  """Every :class:`CommStats` inside an arbitrary (optax) state pytree."""
+def find_comm_stats(state: Any) -> list[CommStats | PeriodicStats]:
+  """Every :class:`CommStats` and :class:`PeriodicStats` inside an arbitrary (optax) state pytree."""
   return [x for x in jax.tree.leaves(state, is_leaf=_is_stats) if _is_stats(x)]
 
 
@@ -148,6 +235,16 @@ class CommSummary:
   Payload bits are what a site hands to collectives; wire bits
   (:meth:`wire_bits`) are what the topology moves for them
   (:mod:`dadjax.comm._wire`).
+
+  A :class:`PeriodicStats` ledger (a method that communicates on some
+  steps only) contributes its mean per optimizer step to the per-step
+  fields (``reduce_calls`` / ``gather_calls`` may then be fractions) and
+  its busiest step to the ``peak_*`` fields (:attr:`peak_bits_per_step`;
+  empty / ``None`` when no such ledger is present: the peak is the step).
+  ``exchange_rate`` is then the fraction of steps on which its compiled
+  conditional collectives run (``1 / H``) and ``peak_share`` the fraction
+  of them a busy step runs (``1 / fragments``); the network model charges
+  compiled ops at these rates.
 
   With a 2-D mesh every count is per *device* (each device of a site runs
   the site-axis collectives over its own links, in parallel with the
@@ -170,6 +267,25 @@ class CommSummary:
   intra_reduce_calls: int = 0
   intra_gather_calls: int = 0
   total_gather_bits: tuple[int, ...] = (0,)
+  peak_reduce_bits: tuple[int, ...] = ()
+  peak_gather_bits: tuple[int, ...] = ()
+  peak_reduce_calls: int | None = None
+  peak_gather_calls: int | None = None
+  exchange_rate: float | None = None
+  peak_share: float | None = None
+
+  @property
+  def peak_bits_per_step(self) -> int:
+    """Payload bits of the busiest step (largest site).
+
+    Equals :attr:`bits_per_step` unless a ledger communicates on some steps
+    only (:class:`PeriodicStats`: local updates), whose largest step counts
+    here; with several such ledgers, the sum of each one's largest step (an
+    upper bound when their busiest steps differ).
+    """
+    if not self.peak_reduce_bits:
+      return self.bits_per_step
+    return max(r + g for r, g in zip(self.peak_reduce_bits, self.peak_gather_bits))
 
   @property
   def intra_bits_per_step(self) -> int:
@@ -311,32 +427,67 @@ def comm_stats(state: Any) -> CommSummary:
                      "communicating transformation part of the optimizer?")
   inter = [x for x in found if not isinstance(x, IntraSiteStats)]
   intra = [x for x in found if isinstance(x, IntraSiteStats)]
-  fields, calls, slow, fast = _summarize(inter)
-  intra_fields, intra_calls, _, _ = _summarize(intra)
-  return CommSummary(**fields, **calls, updates=slow, micro_steps=fast,
+  fields, calls, slow, fast, peak = _summarize(inter)
+  intra_fields, intra_calls, _, _, _ = _summarize(intra)
+  return CommSummary(**fields, **calls, **peak, updates=slow, micro_steps=fast,
                      intra_reduce_bits=intra_fields["reduce_bits"],
                      intra_gather_bits=intra_fields["gather_bits"],
                      intra_reduce_calls=intra_calls["reduce_calls"],
                      intra_gather_calls=intra_calls["gather_calls"])
 
 
-def _summarize(found: list[CommStats]):
-  """Per-step fields, call counts and the slowest / fastest update count of some ledgers."""
+def _summarize(found: list):
+  """Per-step fields, call counts, the slowest / fastest update count and the peak of some ledgers."""
   rates = [int(np.max(host_array(s.updates))) for s in found]
   live = [u for u in rates if u > 0]
   slow, fast = (min(live), max(live)) if live else (0, 0)
   fields = dict(reduce_bits=(0,), gather_bits=(0,), dense_bits=(0,),
                 total_bits=(0,), total_dense_bits=(0,), total_gather_bits=(0,))
   calls = {"reduce_calls": 0, "gather_calls": 0}
+  peak = dict(peak_reduce_bits=(0,), peak_gather_bits=(0,), peak_reduce_calls=0,
+              peak_gather_calls=0)
+  periodic, rate, share = False, 0.0, 0.0
   for s, u in zip(found, rates):
     num, den = (u, slow) if slow else (1, 1)
+    if isinstance(s, PeriodicStats):
+      periodic = True
+      rate = max(rate, 1 / max(int(np.max(host_array(s.period))), 1))
+      share = max(share, 1 / max(int(np.max(host_array(s.parts))), 1))
+      steps = max(slow, 1)  # the mean over the optimizer steps
+      reduce, gather = _per_site(s.reduce), _per_site(s.gather)
+      fields["reduce_bits"] = _add_tuples(fields["reduce_bits"], _scale(reduce, 1, steps))
+      fields["gather_bits"] = _add_tuples(fields["gather_bits"], _scale(gather, 1, steps))
+      fields["dense_bits"] = _add_tuples(fields["dense_bits"], _scale(_per_site(s.dense), 1, steps))
+      fields["total_bits"] = _add_tuples(fields["total_bits"], _add_tuples(reduce, gather))
+      fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.dense))
+      fields["total_gather_bits"] = _add_tuples(fields["total_gather_bits"], gather)
+      calls["reduce_calls"] += int(np.max(host_array(s.reduce_calls))) / steps
+      calls["gather_calls"] += int(np.max(host_array(s.gather_calls))) / steps
+      peak["peak_reduce_bits"] = _add_tuples(peak["peak_reduce_bits"], _per_site(s.peak_reduce))
+      peak["peak_gather_bits"] = _add_tuples(peak["peak_gather_bits"], _per_site(s.peak_gather))
+      peak["peak_reduce_calls"] += int(np.max(host_array(s.peak_reduce_calls)))
+      peak["peak_gather_calls"] += int(np.max(host_array(s.peak_gather_calls)))
+      continue
     for name, bits in (("reduce_bits", s.step_reduce), ("gather_bits", s.step_gather),
                        ("dense_bits", s.step_dense)):
-      fields[name] = _add_tuples(fields[name], _scale(_per_site(bits), num, den))
+      scaled = _scale(_per_site(bits), num, den)
+      fields[name] = _add_tuples(fields[name], scaled)
+      if name != "dense_bits":
+        peak[f"peak_{name}"] = _add_tuples(peak[f"peak_{name}"], scaled)
     fields["total_bits"] = _add_tuples(fields["total_bits"], _per_site(s.total_sent))
     fields["total_dense_bits"] = _add_tuples(fields["total_dense_bits"], _per_site(s.total_dense))
     fields["total_gather_bits"] = _add_tuples(fields["total_gather_bits"],
                                               _per_site(s.total_gather))
-    calls["reduce_calls"] += int(np.max(host_array(s.step_reduce_calls))) * num // den
-    calls["gather_calls"] += int(np.max(host_array(s.step_gather_calls))) * num // den
-  return fields, calls, slow, fast
+    for kind, value in (("reduce", s.step_reduce_calls), ("gather", s.step_gather_calls)):
+      n = int(np.max(host_array(value))) * num // den
+      calls[f"{kind}_calls"] += n
+      peak[f"peak_{kind}_calls"] += n
+  for kind in ("reduce_calls", "gather_calls"):
+    if float(calls[kind]).is_integer():
+      calls[kind] = int(calls[kind])
+  if not periodic:
+    peak = dict(peak_reduce_bits=(), peak_gather_bits=(), peak_reduce_calls=None,
+                peak_gather_calls=None)
+  else:
+    peak.update(exchange_rate=rate, peak_share=share)
+  return fields, calls, slow, fast, peak

@@ -52,6 +52,10 @@ class Report(NamedTuple):
     intra_payload_bits_per_step / modeled_intra_comm_s_per_step: the
       in-site phase of a 2-D mesh (0 otherwise).
     latency_per: ``"compiled op"`` or ``"recorded call"``.
+    peak_payload_bits_per_step / peak_comm_s_per_step: the busiest step
+      (equal to the mean figures unless a method communicates on some steps
+      only: local updates, whose synchronization step is where a slow link
+      stalls; :meth:`~dadjax.comm.NetworkModel.peak_step_time`).
   """
 
   setting: str
@@ -74,6 +78,8 @@ class Report(NamedTuple):
   intra_payload_bits_per_step: int
   modeled_intra_comm_s_per_step: float
   latency_per: str
+  peak_payload_bits_per_step: int = 0
+  peak_comm_s_per_step: float = 0.0
 
   def row(self) -> dict:
     """The columns of a ``metrics.jsonl`` row (JSON-ready)."""
@@ -170,6 +176,8 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
       intra_payload_bits_per_step=summary.intra_bits_per_step,
       modeled_intra_comm_s_per_step=intra_s,
       latency_per="compiled op" if ops is not None else "recorded call",
+      peak_payload_bits_per_step=summary.peak_bits_per_step,
+      peak_comm_s_per_step=inter.peak_step_time(summary, ops) + intra_s,
   )
 
 

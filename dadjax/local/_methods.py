@@ -1,0 +1,75 @@
+"""The local-update methods as specs: ``local_sgd:H``, ``diloco:H``, ``streaming_diloco:H``.
+
+Each wraps the run's local optimizer (``Method.wrap``): the config's
+optimizer becomes the inner optimizer, and the method communicates alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from dadjax.local._periodic import diloco, local_sgd, streaming_diloco
+from dadjax.registry import COMPRESSOR, Arg, Method, register_method
+
+_EVERY = Arg("every", int, within="[1, inf)", doc="H: inner steps between synchronizations")
+
+
+def _outer_args() -> tuple[Arg, ...]:
+  return (
+      Arg("outer_lr", float, within="(0, inf)", positional=False, doc="outer SGD learning rate"),
+      Arg("outer_momentum", float, within="[0, 1)", positional=False,
+          doc="outer Nesterov momentum (0: plain SGD)"),
+      Arg("compress", COMPRESSOR, positional=False,
+          doc="compressor of the pseudo-gradient (none: fp32 all-reduce)"),
+  )
+
+
+def _outer(lr: float, momentum: float) -> optax.GradientTransformation:
+  return optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
+
+
+def _method(name: str, make) -> Method:
+  try:
+    make(optax.identity())  # check the hyperparameters now, not when the run builds its optimizer
+  except ValueError as e:  # the registry names the method itself
+    raise ValueError(str(e).removeprefix(f"{name}: ")) from None
+  return Method("", tx=None, wrap=make)
+
+
+@register_method("local_sgd", _EVERY, family="local",
+                 doc="local SGD: H local steps, then the sites average their parameters (fp32)")
+def _local_sgd(every: int, *, axis_name: str | None = "data") -> Method:
+  """:func:`~dadjax.local.local_sgd` around the run's optimizer."""
+  return _method("local_sgd", lambda inner: local_sgd(inner, every, axis_name=axis_name))
+
+
+@register_method("diloco", _EVERY, *_outer_args(), family="local",
+                 doc="DiLoCo: H inner steps, then outer Nesterov SGD on the averaged "
+                     "pseudo-gradient (optionally compressed)")
+def _diloco(every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+            compress: Any = None, *, axis_name: str | None = "data", seed: int = 0) -> Method:
+  """:func:`~dadjax.local.diloco` around the run's optimizer."""
+  outer = _outer(outer_lr, outer_momentum)
+  return _method("diloco", lambda inner: diloco(inner, every, outer, compress, axis_name=axis_name,
+                                      seed=seed))
+
+
+@register_method(
+    "streaming_diloco", _EVERY,
+    Arg("fragments", int, within="[1, inf)", positional=False,
+        doc="P: fragments, each synchronized at its own offset (<= H and the leaves)"),
+    Arg("delay", int, within="[0, inf)", positional=False,
+        doc="tau: inner steps between a fragment's send and its merge (< H)"),
+    Arg("alpha", float, within="[0, 1]", positional=False,
+        doc="weight of the local parameters in the merge"),
+    *_outer_args(), family="local",
+    doc="Streaming DiLoCo: DiLoCo in P staggered fragments, merged tau steps after sending")
+def _streaming_diloco(every: int, fragments: int = 2, delay: int = 1, alpha: float = 0.5,
+                      outer_lr: float = 0.7, outer_momentum: float = 0.9, compress: Any = None,
+                      *, axis_name: str | None = "data", seed: int = 0) -> Method:
+  """:func:`~dadjax.local.streaming_diloco` around the run's optimizer."""
+  outer = _outer(outer_lr, outer_momentum)
+  return _method("streaming_diloco", lambda inner: streaming_diloco(
+      inner, every, fragments, delay, alpha, outer, compress, axis_name=axis_name, seed=seed))
