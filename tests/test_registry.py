@@ -230,14 +230,14 @@ def _all_specs():
 def test_every_registered_method_builds_and_updates(spec):
   method = build_method(spec, axis_name=None, seed=3)
   assert isinstance(method, Method) and method.name == spec
-  assert method.tx is not None or method.batch_stage is not None
+  assert method.tx is not None or method.batch_stage is not None or method.wrap is not None
   if method.dense is None:
     params = _TREE
   else:  # dAD: the model is built (and initialized) with the method's dense factory first
     x = jnp.ones((2, 5))
     model = MLP(num_classes=3, hidden=(4,), dense=method.dense)
     params = model.init(jax.random.key(0), x)["params"]
-  if method.tx is None:
+  if method.tx is None and method.wrap is None:
     return
   grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
                        params)
