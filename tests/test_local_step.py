@@ -143,4 +143,5 @@ def test_cli_trains_diloco_from_a_spec(capsys):
   final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert final["step"] == 4 and final["method"] == "diloco:2:outer_lr=0.5"
   n_params = 64 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10  # digits MLP, default hidden=(64, 64)
-  assert final["total_bits"] == 2 * 32 * n_params + 4 * METRIC_BITS
+  assert final["total_payload_bits"] == 2 * 32 * n_params + 4 * METRIC_BITS
+  assert final["peak_payload_bits_per_step"] == 32 * n_params + METRIC_BITS
