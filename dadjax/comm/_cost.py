@@ -216,6 +216,7 @@ class NetworkModel:
     return tuple(int(count.get(k, 0)) - int(cond.get(k, 0)) + share * int(cond.get(k, 0))
                  for k in ("reduce", "gather"))
 
+
 @dataclasses.dataclass(frozen=True)
 class HierarchicalNetwork:
   """Two link classes: fast links inside a site, slow links between sites.
