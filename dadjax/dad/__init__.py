@@ -3,7 +3,10 @@
 A dense layer's weight gradient is ``A^T D`` (inputs times output deltas);
 sites share ``A`` and ``D`` (dAD, exact) or low-rank factors of their local
 ``A^T D`` (rank-dAD) inside the backward pass instead of all-reducing the
-gradient. :class:`Dense` is a drop-in for ``flax.linen.Dense``;
+gradient. :class:`DotGeneral` is the ``dot_general_cls`` that brings this
+to any Flax layer contracting an input with a kernel (``nn.Dense``,
+``nn.DenseGeneral``, attention projections, einsums; NNX through
+:mod:`dadjax.nnx`); :class:`Dense` is a drop-in for ``flax.linen.Dense``;
 :func:`synchronize` handles every other parameter and the bit ledger. The
 specs ``dad``, ``auto_dad``, ``local_dad`` and ``rank_dad:R[:two_way][:warm][:ef]``
 are registered methods (:func:`get_method`, ``dadjax methods``). The
@@ -28,6 +31,7 @@ References:
 
 from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig
 from dadjax.dad._cost import choose_route, layer_bits, layer_route, layer_traffic, route_traffic
+from dadjax.dad._dot_general import DotGeneral, dot_general
 from dadjax.dad._module import Dense
 from dadjax.dad._state import current_state, init_state, next_state
 from dadjax.dad._vjp import dense
@@ -49,6 +53,8 @@ from dadjax.dad._sync import (
 # layer_route stay importable from here; their documented home is dadjax.extend.
 __all__ = [
     "Dense",
+    "DotGeneral",
+    "dot_general",
     "DadConfig",
     "MODES",
     "AGGREGATIONS",

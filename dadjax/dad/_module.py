@@ -1,9 +1,15 @@
-"""The Flax face of dAD: :class:`Dense`, a drop-in for ``flax.linen.Dense``."""
+"""The Flax face of dAD: :class:`Dense`, a drop-in for ``flax.linen.Dense``.
+
+:class:`Dense` is the convenience over the same machinery as
+:class:`~dadjax.dad.DotGeneral` (the state entry, the seed, the ledger
+report of :mod:`dadjax.dad._dot_general`): a Flax ``Dense`` whose route
+also carries the bias (its exact gradient from ``D``'s column sums, no
+separate all-reduce), with its state under ``"dad"`` at the layer's own path.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -12,18 +18,11 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 
-from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION, bits_const
 from dadjax.dad._config import DadConfig, check_int
 from dadjax.dad._cost import layer_traffic
-from dadjax.dad._rank_accordion import accordion_gather_bits
+from dadjax.dad._dot_general import layer_seed, module_state, report
 from dadjax.dad._state import STATE_NAME, init_state
 from dadjax.dad._vjp import _dense
-
-
-def _layer_seed(seed: int, path) -> int:
-  # Each layer draws its own random starts; the path is the same on every
-  # site, so the key stays shared.
-  return (seed + zlib.crc32("/".join(map(str, path)).encode())) % (1 << 31)
 
 
 class Dense(nn.Module):
@@ -122,14 +121,10 @@ class Dense(nn.Module):
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    config = self.config(seed=_layer_seed(self.seed, self.path))
+    config = self.config(seed=layer_seed(self.seed, self.path))
     state = None
     if config.mode != "local":
-      if self.is_mutable_collection(STATE_COLLECTION) or self.has_variable(STATE_COLLECTION, STATE_NAME):
-        state = self.variable(STATE_COLLECTION, STATE_NAME, init_state, config, d_in,
-                              self.features).value
-      else:
-        state = init_state(config, d_in, self.features)
+      state = module_state(self, STATE_NAME, init_state, config, d_in, self.features)
     if self.capture:
       self.sow("intermediates", "inputs", inputs)
     y = _dense(inputs, kernel, bias, state, config)
@@ -137,18 +132,7 @@ class Dense(nn.Module):
       # What the backward pass will hand to collectives, read from its own
       # payloads on these operands (dtype promotion, bias, typing included).
       traffic = layer_traffic(config, inputs, kernel, bias, state)
-      if traffic.gather_calls and config.rank_low is not None and state is not None:
-        # The route reports its high-rank gather; this step's rank is known
-        # from the state (the backward pass's rule), so report what it sends.
-        self.sow(COMM_COLLECTION, "gather_bits",
-                 accordion_gather_bits(config, traffic.gather, kernel.shape, kernel.dtype, state))
-        self.sow(COMM_COLLECTION, "gather_calls", jnp.zeros((traffic.gather_calls,), jnp.int8))
-      elif traffic.gather_calls:
-        self.sow(COMM_COLLECTION, "gather_bits", bits_const(traffic.gather))
-        self.sow(COMM_COLLECTION, "gather_calls", jnp.zeros((traffic.gather_calls,), jnp.int8))
-      if traffic.reduce_calls:
-        self.sow(COMM_COLLECTION, "reduce_bits", bits_const(traffic.reduce))
-        self.sow(COMM_COLLECTION, "reduce_calls", jnp.zeros((traffic.reduce_calls,), jnp.int8))
+      report(self, config, traffic, kernel.shape, kernel.dtype, state)
     if self.capture:
       y = self.perturb("outputs", y)
     return y

@@ -27,6 +27,8 @@ from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits
                          ledger_init, ledger_record, tree_dense_bits)
 from dadjax.comm import STATE_COLLECTION
 from dadjax.dad._cost import choose_route, route_traffic
+from dadjax.dad._dot_general import (KERNEL_PARAM, KERNEL_STATE_NAME, DotGeneral, contraction,
+                                     einsum_contraction)
 from dadjax.dad._module import Dense
 from dadjax.dad._state import STATE_NAME, init_state
 from dadjax._tree_utils import SpecMemo, check_axis_name, path_names
@@ -41,8 +43,11 @@ def _init_shapes(model: nn.Module, args, kwargs):
 def layer_mask(model_or_variables: nn.Module | dict, *sample_args, **sample_kwargs) -> Any:
   """Which parameters belong to dAD layers that synchronize themselves.
 
-  A parameter is marked when its module owns a ``"dad_state"`` entry
-  (every :class:`~dadjax.dad.Dense` except ``mode="local"``). Nothing is
+  A parameter is marked when its module owns a ``"dad"`` entry in
+  ``"dad_state"`` (every :class:`~dadjax.dad.Dense` except
+  ``mode="local"``), and a layer's ``kernel`` when the layer's
+  :class:`~dadjax.dad.DotGeneral` owns a ``"dad_kernel"`` entry (its bias
+  is not marked: the route carries the kernel only). Nothing is
   run: the variables' shapes come from ``jax.eval_shape(model.init, ...)``.
 
   Args:
@@ -59,13 +64,31 @@ def layer_mask(model_or_variables: nn.Module | dict, *sample_args, **sample_kwar
     variables = _init_shapes(model_or_variables, sample_args, sample_kwargs)
   else:
     variables = model_or_variables
-  owners = set()
-  for path, _ in jax.tree_util.tree_flatten_with_path(variables.get(STATE_COLLECTION, {}))[0]:
+  owners, kernels = state_owners(variables.get(STATE_COLLECTION, {}))
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: _marked(path_names(path), owners, kernels), variables["params"])
+
+
+def state_owners(dad_state: Any) -> tuple[set, set]:
+  """``(layers, kernels)`` synchronized by their backward pass, read from ``"dad_state"``.
+
+  ``layers``: paths of modules owning a ``"dad"`` entry (:class:`Dense`:
+  all their parameters); ``kernels``: paths of the ``kernel`` parameters
+  whose dot_general owns a ``"dad_kernel"`` entry (the dot_general's parent
+  holds the kernel).
+  """
+  owners, kernels = set(), set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(dad_state)[0]:
     names = path_names(path)
     if STATE_NAME in names:
       owners.add(names[:names.index(STATE_NAME)])
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: path_names(path)[:-1] in owners, variables["params"])
+    elif KERNEL_STATE_NAME in names:
+      kernels.add(names[:names.index(KERNEL_STATE_NAME)][:-1] + (KERNEL_PARAM,))
+  return owners, kernels
+
+
+def _marked(names, owners, kernels) -> bool:
+  return names[:-1] in owners or names in kernels
 
 
 class LayerPlan(NamedTuple):
@@ -84,7 +107,15 @@ class LayerPlan(NamedTuple):
 
 def layer_plan(model: nn.Module, *sample_args, num_sites: int | None = None,
                **sample_kwargs) -> list[LayerPlan]:
-  """The route and bits of every :class:`~dadjax.dad.Dense` call for these inputs.
+  """The route and bits of every dAD layer call for these inputs.
+
+  Covers :class:`~dadjax.dad.Dense` layers and every layer that calls a
+  :class:`~dadjax.dad.DotGeneral` (``nn.Dense`` / ``nn.DenseGeneral`` /
+  attention projections with ``dot_general_cls``, einsums); a dot_general
+  is listed under the path of the layer that holds its kernel, with the
+  rows, d_in and d_out of its canonical view (one batch entry; the bits
+  cover all entries) and ``dense_bits`` of the kernel alone (its bias is
+  all-reduced with the other parameters).
 
   Shows what ``mode="auto"`` picks per layer (``"gather"`` = exact dAD,
   ``"allreduce"``) for a given batch shape and number of sites:
@@ -121,21 +152,47 @@ def layer_plan(model: nn.Module, *sample_args, num_sites: int | None = None,
       bias = jax.ShapeDtypeStruct((d_out,), dtype) if module.use_bias else None
       state = (None if config.mode == "local" else
                jax.eval_shape(lambda: init_state(config, d_in, d_out)))
-      route = choose_route(config, x, kernel, bias, state, num_sites=n)
-      if config.axis_name is None:
-        gather = reduce = 0
-      else:
-        t = route_traffic(config, route, x, kernel, bias, state, num_sites=n)
-        gather, reduce = int(t.gather), int(t.reduce)
-      path = "/".join(module.path)
-      plans.setdefault(path, LayerPlan(
-          path, config.mode, route, rows, d_in, d_out, gather, reduce,
+      plans.setdefault("/".join(module.path), _plan(
+          "/".join(module.path), config, x, kernel, bias, state, n, 1,
           (d_in * d_out + (d_out if module.use_bias else 0)) * 32))
+    elif (isinstance(module, DotGeneral) and context.method_name == "__call__"
+          and not isinstance(args[0], str)):
+      _plan_dot(module, args[0], args[1], args[2] if len(args) > 2 else
+                kwargs.get("dimension_numbers"))
+    elif isinstance(module, DotGeneral) and context.method_name == "__call__":
+      lhs, rhs = args[1], args[2]
+      lhs_sum, rhs_sum, dims, _ = einsum_contraction(args[0], np.shape(lhs), np.shape(rhs))
+      drop = lambda shape, axes: tuple(s for i, s in enumerate(shape) if i not in axes)
+      _plan_dot(module, jax.ShapeDtypeStruct(drop(np.shape(lhs), lhs_sum), lhs.dtype),
+                jax.ShapeDtypeStruct(drop(np.shape(rhs), rhs_sum), rhs.dtype), dims)
     return next_fun(*args, **kwargs)
+
+  def _plan_dot(module, lhs, rhs, dims):
+    c = contraction(np.shape(lhs), np.shape(rhs), dims)
+    config = module.config()
+    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    x = jax.ShapeDtypeStruct((c.rows, c.d_in), dtype)
+    kernel = jax.ShapeDtypeStruct((c.d_in, c.d_out), dtype)
+    state = (None if config.mode == "local" else
+             jax.eval_shape(lambda: init_state(config, c.d_in, c.d_out)))
+    path = "/".join(module.path[:-1])  # the layer that holds the kernel
+    plans.setdefault(path, _plan(path, config, x, kernel, None, state, n, c.batch,
+                                 c.batch * c.d_in * c.d_out * 32))
 
   with nn.intercept_methods(interceptor):
     _init_shapes(model, sample_args, sample_kwargs)
   return list(plans.values())
+
+
+def _plan(path, config, x, kernel, bias, state, n, times, dense_bits) -> LayerPlan:
+  route = choose_route(config, x, kernel, bias, state, num_sites=n)
+  if config.axis_name is None:
+    gather = reduce = 0
+  else:
+    t = route_traffic(config, route, x, kernel, bias, state, num_sites=n)
+    gather, reduce = int(t.gather) * times, int(t.reduce) * times
+  return LayerPlan(path, config.mode, route, x.shape[0], x.shape[1], kernel.shape[1], gather,
+                   reduce, dense_bits)
 
 
 def effective_ranks(model_state: Any, *, which: str = "rank") -> dict[str, np.ndarray]:
@@ -159,7 +216,11 @@ def effective_ranks(model_state: Any, *, which: str = "rank") -> dict[str, np.nd
       if "uses" in node and which in node:
         uses = host_array(node["uses"]).astype(np.float64)
         value = host_array(node[which]).astype(np.float64)
-        out["/".join(path[:-1] if path and path[-1] == STATE_NAME else path)] = np.where(
+        if path and path[-1] == KERNEL_STATE_NAME:
+          path = path[:-2]  # the layer that holds the kernel, not its dot_general
+        elif path and path[-1] == STATE_NAME:
+          path = path[:-1]
+        out["/".join(path)] = np.where(
             uses > 0, value / np.where(uses > 0, uses, 1.0), 0.0)
         return
       for k, v in node.items():
