@@ -174,3 +174,49 @@ def test_compiled_gather_bytes_equal_ledger(options):
   assert {p.path for p in plan} == {"attn/query", "attn/key", "attn/value", "attn/out",
                                     "mlp_in", "mlp_out", "head"}
   assert sum(p.gather_bits for p in plan) == stats.gather_bits[0]
+
+
+def test_method_factory_offers_dot_general_with_mask():
+  x, _ = _data((2, 4, 8))
+  tx, factory = dad.get_method("rank_dad:2:warm")
+  del tx
+  model = UserBlock(factory.dot_general_cls)
+  variables = model.init(jax.random.key(0), x)
+  assert factory.mask(variables["params"]) == dad.layer_mask(variables)
+  entry = variables["dad_state"]["mlp_in"]["DotGeneral_0"]["dad_kernel"]
+  assert entry["basis"].shape == (12, 2)  # warm start from the method's options
+  assert not factory.paths and ("attn", "out", "kernel") in factory.kernels
+
+
+def test_einsum_and_batch_axes_equal_lax():
+  # The einsum form and batch axes (one kernel per entry) give dot_general's values and
+  # gradients; a batched kernel's state carries the batch axis.
+  class Mixed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = self.param("kernel", nn.initializers.normal(), (8, 2, 3))
+      h = dad.DotGeneral(axis_name=None)("btd,dhk->bthk", x, k)
+      g = nn.DenseGeneral(5, batch_dims=(0,), axis=-1, dot_general_cls=functools.partial(
+          dad.DotGeneral, axis_name=None), name="per_token")
+      return g(jnp.swapaxes(h.reshape(h.shape[:2] + (6,)), 0, 1))
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = self.param("kernel", nn.initializers.normal(), (8, 2, 3))
+      h = jnp.einsum("btd,dhk->bthk", x, k)
+      g = nn.DenseGeneral(5, batch_dims=(0,), axis=-1, name="per_token")
+      return g(jnp.swapaxes(h.reshape(h.shape[:2] + (6,)), 0, 1))
+
+  x, _ = _data((2, 4, 8))
+  v = Mixed().init(jax.random.key(0), x)
+  assert v["dad_state"]["per_token"]["DotGeneral_0"]["dad_kernel"]["uses"].shape == (4,)
+  params = v["params"]
+  loss = lambda m, p, s: jnp.sum(jnp.sin(m.apply({"params": p, **s}, x)))
+  state = {"dad_state": v["dad_state"]}
+  chex.assert_trees_all_close(jax.grad(loss, argnums=1)(Mixed(), params, state),
+                              jax.grad(loss, argnums=1)(Plain(), params, {}), atol=1e-5)
+  mask = dad.layer_mask(v)
+  assert mask["kernel"] and mask["per_token"]["kernel"] and not mask["per_token"]["bias"]
+  with pytest.raises(ValueError, match="einsum"):
+    dad.DotGeneral(axis_name=None).apply({}, "btd,dhk", x, params["kernel"])

@@ -16,6 +16,7 @@ import optax
 
 from dadjax import registry
 from dadjax.dad._config import DadConfig
+from dadjax.dad._dot_general import KERNEL_PARAM, DotGeneral
 from dadjax.dad._module import Dense
 from dadjax._tree_utils import path_names
 from dadjax.dad._sync import synchronize
@@ -29,7 +30,10 @@ class DenseFactory:
   ``factory(features, use_bias=..., name=...)`` returns a ``Dense`` with the
   factory's options (call keywords win), and the module path of every
   synchronizing layer (not ``mode="local"``) built inside a model is added
-  to :attr:`paths`. :meth:`mask` turns those paths into the parameter mask
+  to :attr:`paths`. :attr:`dot_general_cls` does the same for a user's own
+  Flax layers (``nn.Dense``, ``nn.DenseGeneral``, attention projections), by
+  :class:`~dadjax.dad.DotGeneral`, remembering their kernels in
+  :attr:`kernels`. :meth:`mask` turns those paths into the parameter mask
   :func:`~dadjax.dad.synchronize` needs.
 
   Args:
@@ -41,6 +45,7 @@ class DenseFactory:
     DadConfig(**config_fields)  # validate now, naming the bad argument
     self.options = dict(options)
     self.paths: set[tuple[str, ...]] = set()
+    self.kernels: set[tuple[str, ...]] = set()  # kernels of the dot_generals it built
     self.built = 0  # layers built inside a model, including "local" ones
 
   def __call__(self, features: int, **kwargs: Any) -> Dense:
@@ -51,6 +56,28 @@ class DenseFactory:
         self.paths.add(tuple(layer.scope.path))
     return layer
 
+  @property
+  def dot_general_cls(self):
+    """A ``dot_general_cls`` with the factory's options, for a user's own layers.
+
+    ``nn.Dense(64, dot_general_cls=factory.dot_general_cls)``,
+    ``nn.MultiHeadDotProductAttention(..., qkv_dot_general_cls=...,
+    out_dot_general_cls=...)``: each builds a :class:`~dadjax.dad.DotGeneral`
+    and the factory remembers the parent layer's ``kernel`` for :meth:`mask`.
+    """
+    options = {k: v for k, v in self.options.items()
+               if k in DotGeneral.__dataclass_fields__ and k not in ("parent", "name")}
+
+    def build(**kwargs: Any) -> DotGeneral:
+      op = DotGeneral(**{**options, **kwargs})
+      if op.scope is not None:
+        self.built += 1
+        if op.mode != "local":
+          self.kernels.add(tuple(op.scope.path)[:-1] + (KERNEL_PARAM,))
+      return op
+
+    return build
+
   def mask(self, params: Any) -> Any:
     """``True`` for the parameters of the dAD layers this factory built.
 
@@ -60,7 +87,8 @@ class DenseFactory:
     if not self.built:
       raise ValueError("mask: this DenseFactory has not built any dAD layer yet; "
                        "initialize the model (model.init) before the optimizer")
-    return jax.tree_util.tree_map_with_path(lambda p, _: path_names(p)[:-1] in self.paths, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: path_names(p)[:-1] in self.paths or path_names(p) in self.kernels, params)
 
   def __repr__(self) -> str:
     return f"DenseFactory({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
