@@ -114,9 +114,9 @@ def test_exact_dense_general_two_axes_equals_pooled(backend):
 
 
 @pytest.mark.parametrize("make, shape, options", [
-    (UserBlock, (16, 4, 8), dict(mode="rank", rank=2, iters=3, aggregation="two_way",
-                                 warm_start=True, error_feedback=True)),
-    (UserGeneral, (16, 3, 4), dict(mode="rank", rank=2)),
+    (UserBlock, (16, 4, 8), dict(mode="rank", rank=2, iters=2, warm_start=True,
+                                 error_feedback=True)),
+    (UserGeneral, (16, 3, 4), dict(mode="rank", rank=2, aggregation="two_way")),
 ])
 def test_rank_dad_runs_on_user_layers(make, shape, options):
   x, y = _data(shape)
