@@ -197,3 +197,32 @@ def test_collective_operands_counts_every_operand_of_a_combined_op():
   text = fn.lower(x, x * 2, x[:, :8]).compile().as_text()
   ops = hlo_collectives(text)
   assert collective_operands(text)["reduce"] == 3 >= ops.count["reduce"] >= 1
+
+
+@pytest.mark.multihost
+def test_interrupted_cli_run_leaves_nothing_behind():
+  import signal  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  reason = _lab_reason()
+  if reason:
+    pytest.skip(f"cannot build network namespaces here: {reason}")
+  proc = subprocess.Popen([sys.executable, "-m", "dadjax.cli", "netlab", "--sites", "2", "--rate",
+                           "20mbit", "--delay", "2ms", "train", "steps=100000"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  mine = f"dxl{proc.pid}"
+  try:
+    deadline = time.monotonic() + 120
+    while not any(n.startswith(mine) for n in _lab.lab_namespaces()):  # the lab is up
+      assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+      time.sleep(0.2)
+    time.sleep(3)  # the sites are starting
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, err
+  assert "interrupted" in err
+  assert not [n for n in _lab.lab_namespaces() if _lab._owner(n, "dxl") == proc.pid]
+  assert not [n for n in _lab.lab_links() if _lab._owner(n, "dxl") == proc.pid]

@@ -44,13 +44,21 @@ def _netlab(args: argparse.Namespace) -> int:
     lab = Lab(args.sites, args.rate, args.delay, args.jitter, args.loss)
   except ValueError as e:
     raise DadjaxError(str(e)) from None
-  # SIGTERM unwinds like Ctrl-C, so the lab's `finally` deletes what it made.
+  # Ctrl-C (even where a launcher ignored it) and SIGTERM unwind through the lab's
+  # `finally`, which deletes what it made.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-  with lab:
-    print(f"dadjax netlab: {args.sites} sites {', '.join(lab.addresses)}, rate "
-          f"{args.rate or 'unshaped'}, delay {lab.delay * 1e3:g} ms", file=sys.stderr, flush=True)
-    run = run_in_lab(lab, fields, compute_steps=args.compute_steps, eval_every=config.eval_every,
-                     timeout=args.timeout)
+  try:
+    with lab:
+      print(f"dadjax netlab: {args.sites} sites {', '.join(lab.addresses)}, rate "
+            f"{args.rate or 'unshaped'}, delay {lab.delay * 1e3:g} ms", file=sys.stderr,
+            flush=True)
+      run = run_in_lab(lab, fields, compute_steps=args.compute_steps,
+                       eval_every=config.eval_every, timeout=args.timeout)
+  except KeyboardInterrupt:
+    print(f"dadjax netlab: interrupted; the lab ({lab.tag}...) is torn down", file=sys.stderr,
+          flush=True)
+    return 130
   for i, t in enumerate(run.step_s):
     print(json.dumps({"step": i + 1, "step_s": t}))
   for row in run.evals:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from dadjax.errors import DadjaxError
-from dadjax.netlab._lab import Lab, parse_rate
+from dadjax.netlab._lab import Lab, parse_rate, parse_time
 
 COORDINATOR_PORT = 47611
 
@@ -151,7 +151,7 @@ def wait_phase(workdir: str, k: int, rank: int) -> None:
 
 def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
                target: float | None = None, timeout: float = 600,
-               workdir: str | None = None, rates=None, ledger: bool = True):
+               workdir: str | None = None, rates=None, delays=None, ledger: bool = True):
   """Train ``config`` with one process per site of ``lab`` (entered); measure every step.
 
   Args:
@@ -159,13 +159,15 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
     config: :class:`~dadjax.config.Config` fields (``method``, ``steps``, ...),
       or a list of them: trained one after the other by the same processes
       (one start-up for all).
-    compute_steps: steps of the compute-only replica to time (0: none).
+    compute_steps: steps of the compute-only replica to time (0: none); a
+      list gives one count per config.
     eval_every: evaluate (test set) every this many steps, and at the end.
     target: stop once the test accuracy reaches this (at an evaluation).
     timeout: seconds for the whole run before the processes are killed.
     workdir: where the sites write their results (default: a temporary dir).
     rates: with a list of configs, the link rate for each (``None``: keep);
       the lab changes it between runs, while the processes wait.
+    delays: the same for the relay's one-way delay (a lab with the relay).
     ledger: read each run's payload bits and compiled collective ops (one
       more compile per run) into ``LabRun.ledger``.
 
@@ -178,17 +180,26 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
   configs = [config] if isinstance(config, dict) else list(config)
   if not configs or not all(isinstance(c, dict) for c in configs):
     raise ValueError(f"config must be a dict of Config fields or a list of them, got {config!r}")
-  rates = [None] * len(configs) if rates is None else list(rates)
-  if len(rates) != len(configs):
-    raise ValueError(f"rates must give one rate per config ({len(configs)}), got {len(rates)}")
+  per_run = {}
+  for name, given in (("rates", rates), ("delays", delays), ("compute_steps", compute_steps)):
+    values = ([given] * len(configs) if given is None or isinstance(given, (int, float, str))
+              else list(given))
+    if len(values) != len(configs):
+      raise ValueError(f"{name} must give one value per config ({len(configs)}), got "
+                       f"{len(values)}")
+    per_run[name] = values
+  rates, delays = per_run["rates"], per_run["delays"]
   tmp = tempfile.mkdtemp(prefix="dadjax-netlab-") if workdir is None else workdir
-  runs = [{"config": dict(c), "compute_steps": compute_steps, "eval_every": eval_every,
-           "target": target, "ledger": ledger} for c in configs]
-  initial = lab.rate
+  runs = [{"config": dict(c), "compute_steps": steps, "eval_every": eval_every,
+           "target": target, "ledger": ledger}
+          for c, steps in zip(configs, per_run["compute_steps"])]
+  initial, initial_delay = lab.rate, lab.delay
 
   def before(k):
     if rates[k] is not None:
       lab.set_rate(rates[k])
+    if delays[k] is not None and parse_time(delays[k]) != lab.delay:
+      lab.set_delay(delays[k])
 
   per_site = launch(lab, "dadjax.netlab._worker", {"runs": runs}, len(runs), before, timeout, tmp)
   out = []
@@ -203,6 +214,8 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
     compute = [t for r in results for t in r.get("compute_s", [])]
     rate = next((r for r in rates[k::-1] if r is not None), None)
     rate = initial if rate is None else parse_rate(rate)
-    out.append(LabRun(lab.sites, rate, lab.delay, first["step_s"], compute, first["evals"],
+    delay = next((d for d in delays[k::-1] if d is not None), None)
+    delay = initial_delay if delay is None else parse_time(delay)
+    out.append(LabRun(lab.sites, rate, delay, first["step_s"], compute, first["evals"],
                       params, book, results))
   return out[0] if isinstance(config, dict) else out

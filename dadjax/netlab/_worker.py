@@ -61,7 +61,7 @@ def _ledger(step_fn, state, batch) -> dict:
   import dadjax  # pylint: disable=g-import-not-at-top
   from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
   from dadjax.netlab._model import collective_operands  # pylint: disable=g-import-not-at-top
-  summary = dadjax.comm_stats(state.opt_state)
+  summary = dadjax.comm_stats(state)  # every ledger: the method's and the step's own
   # What TrainStep.collectives reads, kept to count the operands too (one compile).
   program = step_fn._run  # pylint: disable=protected-access
   text = program.lower(state, step_fn.place_batch(batch)).compile().as_text()
