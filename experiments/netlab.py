@@ -43,26 +43,30 @@ SITES = 4
 
 
 def lab_part(methods, links, steps, timeout):
-  configs, rates, delays, compute = [], [], [], []
-  for li, (rate, delay) in enumerate(links):
-    for m in methods:
-      configs.append(dict(BASE, method=m, steps=steps, eval_every=10 ** 6))
+  configs, rates, delays, first = [], [], [], []
+  for m in methods:  # method-major: one compile per method, its links one after the other
+    for li, (rate, delay) in enumerate(links):
+      configs.append(dict(BASE, method=m, steps=steps))
       rates.append(rate)
       delays.append(delay)
-      compute.append(5 if li == 0 else 0)
+      first.append(li == 0)
   with Lab(SITES, rate=links[0][0], delay=links[0][1], relay=True) as lab:
-    runs = run_in_lab(lab, configs, rates=rates, delays=delays, compute_steps=compute,
-                      timeout=timeout)
-  compute_of = {}
+    runs = run_in_lab(lab, configs, rates=rates, delays=delays,
+                      compute_steps=[5 if f else 0 for f in first], ledger=first,
+                      evaluate=False, timeout=timeout)
+  compute_of, ledger_of = {}, {}
   rows = []
   for cfg, run in zip(configs, runs):
     if run.compute_s:
       compute_of[cfg["method"]] = run.compute_time
+    if run.ledger:
+      ledger_of[cfg["method"]] = run.ledger
     rows.append({"method": cfg["method"], "rate": run.rate, "delay": run.delay,
                  "step_s": run.step_time, "step_spread": _spread(run.step_s[1:]),
-                 "ledger": run.ledger})
+                 })
   for row in rows:
     row["compute_s"] = compute_of[row["method"]]
+    row["ledger"] = ledger_of[row["method"]]
     pred = predicted_comm(row["ledger"], row["rate"], row["delay"], SITES)
     row["textbook_s"] = row["compute_s"] + pred["textbook"]
     row["calibrated_s"] = row["compute_s"] + pred["calibrated"]

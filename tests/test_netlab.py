@@ -165,7 +165,8 @@ def test_lab_is_torn_down_after_a_crash_and_stale_labs_are_swept():
 # -- the calibrated model ---------------------------------------------------------------------
 
 def test_calibrated_model_charges_round_trips_per_call_and_goodput():
-  from dadjax.comm import GLOO_TCP, NetworkModel, TransportFit  # pylint: disable=g-import-not-at-top
+  from dadjax import comm  # pylint: disable=g-import-not-at-top
+  GLOO_TCP, NetworkModel, TransportFit = comm.GLOO_TCP, comm.NetworkModel, comm.TransportFit
   plain = NetworkModel(100e6, 0.005, 4)
   exact = NetworkModel.calibrated(100e6, 0.005, 4, TransportFit())  # 1 RTT per step, goodput 1
   bits = 8_000_000
@@ -175,6 +176,8 @@ def test_calibrated_model_charges_round_trips_per_call_and_goodput():
   slow = NetworkModel.calibrated(100e6, 0.0, 4, TransportFit(reduce_goodput=0.5,
                                                              step_overhead=1e-3))
   assert slow.allreduce_time(bits, 2) == pytest.approx(1.5 * bits / 50e6 + 2 * 6 * 1e-3)
+  capped = NetworkModel.calibrated(100e6, 0.0, 2, TransportFit(host_rate=25e6))
+  assert capped.allreduce_time(bits, 0) == pytest.approx(bits / 25e6)  # the hosts, not the link
   assert NetworkModel.calibrated(1e9, 0.0, 2).fit is GLOO_TCP
   with pytest.raises(ValueError, match="reduce_goodput"):
     TransportFit(reduce_goodput=1.5)

@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from dadjax.errors import DadjaxError
@@ -98,6 +99,20 @@ def check_available() -> None:
   if os.geteuid() != 0:
     raise LabUnavailable("the network lab creates network namespaces and shapes links: it must "
                          "run as root")
+
+
+def _exit_on_term(signum, frame):
+  del frame
+  raise SystemExit(128 + signum)
+
+
+def _die_with_parent() -> None:
+  """In a child before exec: SIGKILL it if the lab's process dies (Linux prctl)."""
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except OSError:
+    pass
 
 
 def _alive(pid: int) -> bool:
@@ -225,6 +240,11 @@ class Lab:
       raise DadjaxError("a Lab can be entered once")
     self._entered = True
     sweep(self.prefix)
+    # SIGTERM's default ends the process without `finally`: make it unwind like Ctrl-C.
+    self._old_term = None
+    if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+      self._old_term = signal.signal(signal.SIGTERM, _exit_on_term)
     if any(ns in lab_namespaces(self.prefix) for ns in [self.switch, *self.namespaces]):
       raise DadjaxError(f"netlab: namespaces of {self.tag} already exist (one lab per process)")
     try:
@@ -287,8 +307,8 @@ class Lab:
     argv = ["ip", "netns", "exec", self.switch, sys.executable, relay,
             "--delay", repr(self.delay), "--jitter", repr(self.jitter), "--loss", repr(self.loss),
             *(f"{b}={mac}" for b, mac in zip(self.ports, self.macs))]
-    self.relay = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+    self.relay = subprocess.Popen(argv, preexec_fn=_die_with_parent, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = self.relay.stdout.readline().strip()
     if line != "ready":
       err = self.relay.stderr.read() if self.relay.poll() is not None else ""
@@ -330,7 +350,7 @@ class Lab:
 
   def popen(self, site: int, argv, **kwargs) -> subprocess.Popen:
     """Start ``argv`` in site ``site``'s namespace; the lab kills it on exit."""
-    proc = subprocess.Popen(self.command(site, argv), **kwargs)
+    proc = subprocess.Popen(self.command(site, argv), preexec_fn=_die_with_parent, **kwargs)
     self._procs.append(proc)
     return proc
 
@@ -389,6 +409,9 @@ class Lab:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and self.leftovers():
       time.sleep(0.05)
+    if getattr(self, "_old_term", None) is not None:
+      signal.signal(signal.SIGTERM, self._old_term)
+      self._old_term = None
 
   def leftovers(self) -> list[str]:
     """What of this lab still exists (empty after :meth:`close`)."""

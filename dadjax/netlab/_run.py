@@ -151,7 +151,8 @@ def wait_phase(workdir: str, k: int, rank: int) -> None:
 
 def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
                target: float | None = None, timeout: float = 600,
-               workdir: str | None = None, rates=None, delays=None, ledger: bool = True):
+               workdir: str | None = None, rates=None, delays=None, ledger=True,
+               evaluate: bool = True):
   """Train ``config`` with one process per site of ``lab`` (entered); measure every step.
 
   Args:
@@ -169,7 +170,9 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
       the lab changes it between runs, while the processes wait.
     delays: the same for the relay's one-way delay (a lab with the relay).
     ledger: read each run's payload bits and compiled collective ops (one
-      more compile per run) into ``LabRun.ledger``.
+      more compile per run) into ``LabRun.ledger``; a list: one flag per config.
+    evaluate: evaluate on the test set (every ``eval_every`` steps and at the end).
+    Consecutive configs that are equal reuse the compiled step (one compile).
 
   Returns:
     A :class:`LabRun` (a list of them for a list of configs).
@@ -181,7 +184,8 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
   if not configs or not all(isinstance(c, dict) for c in configs):
     raise ValueError(f"config must be a dict of Config fields or a list of them, got {config!r}")
   per_run = {}
-  for name, given in (("rates", rates), ("delays", delays), ("compute_steps", compute_steps)):
+  for name, given in (("rates", rates), ("delays", delays), ("compute_steps", compute_steps),
+                      ("ledger", ledger)):
     values = ([given] * len(configs) if given is None or isinstance(given, (int, float, str))
               else list(given))
     if len(values) != len(configs):
@@ -191,8 +195,8 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
   rates, delays = per_run["rates"], per_run["delays"]
   tmp = tempfile.mkdtemp(prefix="dadjax-netlab-") if workdir is None else workdir
   runs = [{"config": dict(c), "compute_steps": steps, "eval_every": eval_every,
-           "target": target, "ledger": ledger}
-          for c, steps in zip(configs, per_run["compute_steps"])]
+           "target": target, "ledger": bool(book), "evaluate": evaluate}
+          for c, steps, book in zip(configs, per_run["compute_steps"], per_run["ledger"])]
   initial, initial_delay = lab.rate, lab.delay
 
   def before(k):

@@ -8,12 +8,12 @@ network identity), ``out`` (where this site writes its JSON results) and ``runs`
 configs to train one after the other in the same processes, each a dict
 with ``config`` (:class:`~dadjax.config.Config` fields), ``compute_steps``
 (how many steps of the compute-only replica to time), ``eval_every`` (0:
-evaluate at the end only; evaluation time is not training time) and
-``target`` (stop at that test accuracy) and ``ledger`` (read the
-payload bits and compiled collective ops). Before run ``k > 0`` every site
-writes ``ready<k>.<rank>`` next to ``out`` and waits for ``go<k>`` (the lab
-changes the links in between). Site 0 writes run ``k``'s
-parameters to ``params<k>.npz`` next to ``out``.
+evaluate at the end only; evaluation time is not training time),
+``target`` (stop at that test accuracy), ``ledger`` (read the payload bits
+and compiled collective ops) and ``evaluate`` (default true). Before run
+``k > 0`` every site writes ``ready<k>.<rank>`` next to ``out`` and waits
+for ``go<k>`` (the lab changes the links in between). Site 0 writes run
+``k``'s parameters to ``params<k>.npz`` next to ``out``.
 
 Each step is timed to completion (``block_until_ready``). Compute time is
 the same step (same model, method and per-site batch) compiled for a
@@ -25,6 +25,7 @@ is step time minus compute time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -77,10 +78,21 @@ def _ledger(step_fn, state, batch) -> dict:
               gather_op_bytes=int(ops.nbytes.get("gather", 0)))
 
 
+_BUILT: dict = {}
+
+
 def _one_run(config, run, rank, params_path):
-  """Train one config in the lab; this site's timings (and site 0's parameters)."""
+  """Train one config in the lab; this site's timings (and site 0's parameters).
+
+  A run with the same config as the previous one reuses its compiled step
+  (a fresh state: the same training, no second compile).
+  """
   from dadjax.train import build, evaluate  # pylint: disable=g-import-not-at-top
-  dataset, _, batcher, step_fn = build(config)
+  key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+  if key not in _BUILT:
+    _BUILT.clear()
+    _BUILT[key] = build(config)
+  dataset, _, batcher, step_fn = _BUILT[key]
   state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
   jax.block_until_ready(state)
   step_s, evals, train_s = [], [], 0.0
@@ -95,7 +107,8 @@ def _one_run(config, run, rank, params_path):
     step_s.append(dt)
     train_s += dt
     done = step + 1
-    if (eval_every and done % eval_every == 0) or done == config.steps:
+    if run.get("evaluate", True) and ((eval_every and done % eval_every == 0)
+                                      or done == config.steps):
       row = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
       evals.append({"step": done, "train_s": train_s, **{k: float(v) for k, v in row.items()}})
       if target is not None and row.get("accuracy", 0.0) >= target:
