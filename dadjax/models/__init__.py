@@ -5,6 +5,7 @@ import flax.linen as nn
 
 from dadjax.models._cnn import CNN
 from dadjax.models._gru import GRUClassifier, GRUStep, GRUTimeRows
+from dadjax.models._lm import LSTMLM, LSTMStep, TransformerLM
 from dadjax.models._mlp import MLP
 from dadjax.models._resnet import BasicBlock, ResNet, ResNet18
 from dadjax.models._transformer import Transformer, TransformerBlock
@@ -20,6 +21,9 @@ __all__ = [
   "GRUTimeRows",
   "Transformer",
   "TransformerBlock",
+  "TransformerLM",
+  "LSTMLM",
+  "LSTMStep",
   "get_model",
 ]
 
@@ -31,13 +35,16 @@ _MODELS = {
   "gru": GRUClassifier,
   "transformer": Transformer,
   "vit": Transformer,
+  "transformer_lm": TransformerLM,
+  "lstm_lm": LSTMLM,
 }
 
 
 def get_model(name: str, num_classes: int, dense=nn.Dense, **kwargs) -> nn.Module:
   """Build a model by name: "mlp", "cnn", "resnet18" / "resnet", "gru",
   "transformer", "vit" (a ``Transformer`` with ``patch_size=4`` unless
-  given). ``kwargs`` are passed to the model class. Raises ``ValueError`` for
+  given), "transformer_lm", "lstm_lm" (next-token logits ``(batch, T,
+  num_classes)``). ``kwargs`` are passed to the model class. Raises ``ValueError`` for
   an unknown name."""
   key = name.lower()
   if key not in _MODELS:

@@ -15,7 +15,8 @@ class TransformerBlock(nn.Module):
   Attention is written out explicitly: q, k, v and output projections are
   ``dense(d_model, use_bias=True)`` layers named ``query``, ``key``,
   ``value``, ``out`` (biases as in PyTorch ``nn.MultiheadAttention``),
-  softmax over keys with ``1/sqrt(head_dim)`` scaling, no mask. The MLP is
+  softmax over keys with ``1/sqrt(head_dim)`` scaling, no mask (``causal=True``:
+  token ``q`` attends only to keys ``k <= q``, as in a decoder). The MLP is
   ``dense(mlp_dim) -> gelu -> dense(d_model)`` (``mlp_in``, ``mlp_out``).
   With ``dropout > 0`` (and ``train=True``), dropout is applied to the
   output of the attention projection and of the MLP before each residual
@@ -27,6 +28,7 @@ class TransformerBlock(nn.Module):
     mlp_dim: MLP hidden width (default 128).
     dense: factory for every dense layer (default ``nn.Dense``).
     dropout: residual dropout rate in ``[0, 1)`` (default 0).
+    causal: mask attention to earlier tokens (default False).
 
   Reference: Vaswani et al., "Attention Is All You Need", NeurIPS 2017;
   pre-LN: Xiong et al., "On Layer Normalization in the Transformer
@@ -38,6 +40,7 @@ class TransformerBlock(nn.Module):
   mlp_dim: int = 128
   dense: Callable[..., nn.Module] = nn.Dense
   dropout: float = 0.0
+  causal: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.dropout < 1.0:
@@ -59,6 +62,9 @@ class TransformerBlock(nn.Module):
     k = self.dense(d, use_bias=True, name="key")(y).reshape(b, t, h, dh)
     v = self.dense(d, use_bias=True, name="value")(y).reshape(b, t, h, dh)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * dh**-0.5, k)
+    if self.causal:
+      keep = jnp.tril(jnp.ones((t, t), bool))
+      logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
     attn = jax.nn.softmax(logits, axis=-1)
     y = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
     x = x + drop(self.dense(d, use_bias=True, name="out")(y))
