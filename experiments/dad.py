@@ -53,6 +53,10 @@ from dadjax.methods import build_method
 from dadjax.parallel import local_gradients, make_train_step, softmax_cross_entropy
 from dadjax.train import build, evaluate, make_optimizer
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from workloads import mean_std, metric_of  # noqa: E402  pylint: disable=g-import-not-at-top
+
 ROOT = pathlib.Path(__file__).resolve().parent
 NOTES = """\
 Notes.
@@ -104,6 +108,10 @@ class Task:
   config: Config
   methods: tuple[str, ...]
   target: float = 0.9
+  metric: str = "accuracy"  # or "bits_per_byte" (lower is better)
+
+  def reached(self, value: float) -> bool:
+    return value >= self.target if self.metric == "accuracy" else value <= self.target
 
 
 def load_task(path: str | pathlib.Path, steps: int | None = None) -> Task:
@@ -181,8 +189,12 @@ def compiled_ops(task: Task, model, optimizer, dataset, summary) -> tuple[dict, 
   return ops, "compiled HLO"
 
 
-def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
-  """Train one method; returns its history and summary row."""
+def run_method(task: Task, spec: str, dataset, batcher, base_model, ops_cache=None) -> dict:
+  """Train one method; returns its history and summary row.
+
+  ``ops_cache``: a dict shared by runs that differ only in the seed (the
+  compiled step's collective ops do not depend on it).
+  """
   cfg = task.config
   pooled = spec == "pooled"
   sites = 1 if pooled else cfg.num_sites
@@ -206,9 +218,11 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
       found = dad.effective_ranks(state.model_state)
       if found:
         ranks.append(float(np.mean([np.mean(v) for v in found.values()])))
+      metrics = evaluate(step, state, dataset.x_test, dataset.y_test)
       history.append({
           "step": t + 1,
-          "test_accuracy": evaluate(step, state, dataset.x_test, dataset.y_test)["accuracy"],
+          "test_accuracy": metrics["accuracy"],
+          "test_metric": metric_of(metrics, task.metric),
           "total_bits": 0 if pooled else comm_stats(state.opt_state).total,
       })
   wall = time.perf_counter() - t0
@@ -216,16 +230,22 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
       "method": spec,
       "history": history,
       "test_accuracy": history[-1]["test_accuracy"],
+      "test_metric": history[-1]["test_metric"],
       "grad_error": float(np.mean(errors)) if errors else 0.0,
       "effective_rank": float(np.mean(ranks)) if ranks else None,
       "wall_s": wall,
       "report": None,
   }
-  reached = next((h["step"] for h in history if h["test_accuracy"] >= task.target), None)
+  reached = next((h["step"] for h in history if task.reached(h["test_metric"])), None)
   row["steps_to_target"] = reached
   if not pooled:
     summary = comm_stats(state.opt_state)
-    ops, source = compiled_ops(task, model, optimizer, dataset, summary)
+    if ops_cache is not None and spec in ops_cache:
+      ops, source = ops_cache[spec]
+    else:
+      ops, source = compiled_ops(task, model, optimizer, dataset, summary)
+      if ops_cache is not None:
+        ops_cache[spec] = (ops, source)
     network = NetworkModel(BANDWIDTH, LATENCY_S, cfg.num_sites, "ring")
     rep = report(summary, network, ops=ops)._asdict()
     rep["fp32_time_s"] = network.baseline_time(summary, 32, ops["reduce"] or 1)
@@ -235,17 +255,19 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model) -> dict:
   return row
 
 
-def run_task(task: Task, methods=None, log=print) -> list[dict]:
+def run_task(task: Task, methods=None, log=print, ops_cache=None) -> list[dict]:
   # dadjax.train.build loads and partitions the data and builds the plain
   # (nn.Dense) model; each method swaps in its dense factory.
   dataset, _, batcher, plain = build(task.config.replace(method="allreduce"))
   rows = []
   for spec in methods or task.methods:
-    row = run_method(task, spec, dataset, batcher, plain.model)
+    row = run_method(task, spec, dataset, batcher, plain.model, ops_cache)
     rep = row["report"]
     comm = (f"payload {rep['payload_bits_per_step']:>9,}  wire {rep['wire_bits_per_step']:>11,.0f}  "
             f"vs fp32 {rep['wire_ratio_fp32']:.2f}x  ops {row['ops']}" if rep else "no communication")
-    log(f"  {task.name:12s} {spec:14s} acc {row['test_accuracy']:.3f}  {comm}  "
+    value = (f"acc {row['test_accuracy']:.3f}" if task.metric == "accuracy"
+             else f"bpb {row['test_metric']:.3f}")
+    log(f"  {task.name:12s} {spec:14s} {value}  {comm}  "
         f"grad err {row['grad_error']:.2e}  ({row['wall_s']:.1f}s)")
     rows.append(row)
   return rows
@@ -299,8 +321,8 @@ def format_table(task: Task, rows: list[dict]) -> str:
     lines.append(
         f"Baselines for these tensors (ring, N={n}, {BANDWIDTH / 1e9:g} Gbit/s, "
         f"{LATENCY_S * 1e6:g} us per message): an fp32 all-reduce puts "
-        f"{base['fp32_wire_bits']:,.0f} wire bits/site on the ring per step, a bf16 all-reduce "
-        f"{base['bf16_wire_bits']:,.0f}; with the all-reduce op count of `{base_row['method']}` "
+        f"{base['fp32_wire_bits_per_step']:,.0f} wire bits/site on the ring per step, a bf16 "
+        f"all-reduce {base['bf16_wire_bits_per_step']:,.0f}; with the all-reduce op count of `{base_row['method']}` "
         f"they "
         f"would take {1e3 * base['fp32_time_s']:.3f} ms and {1e3 * base['bf16_time_s']:.3f} ms "
         f"per step. \"(more)\": the method puts more bits on the wire than that baseline.")
@@ -321,18 +343,18 @@ def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
   for i, r in enumerate(rows):
     color = colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
     if r["method"] == "pooled":
-      left.axhline(r["test_accuracy"], color="k", ls=":", lw=1, label="pooled (final)")
+      left.axhline(r["test_metric"], color="k", ls=":", lw=1, label="pooled (final)")
       continue
     style = "-" if ("dad" in r["method"]) else "--"
     wire = r["report"]["wire_bits_per_step"]
-    left.plot([h["step"] * wire for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
+    left.plot([h["step"] * wire for h in r["history"]], [h["test_metric"] for h in r["history"]],
               style, marker="o", ms=3, label=r["method"], color=color)
     right.scatter(wire, max(r["grad_error"], 1e-8), label=r["method"],
                   marker="o" if "dad" in r["method"] else "s", color=color)
   left.axhline(task.target, color="grey", ls="--", lw=0.8, label=f"target {task.target:g}")
   left.set_xscale("log")
   left.set_xlabel(f"cumulative wire bits per site (ring, N={task.config.num_sites})")
-  left.set_ylabel("test accuracy")
+  left.set_ylabel("test " + task.metric.replace("_", " "))
   left.legend(fontsize=7, ncol=2)
   right.set_xscale("log")
   right.set_yscale("log")
@@ -345,6 +367,128 @@ def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+WORKLOAD_METHODS = ("pooled", "allreduce", "bf16", "dad", "rank_dad:1", "rank_dad:2", "rank_dad:4",
+                    "rank_dad:8", "rank_dad:1:two_way", "rank_dad:2:two_way",
+                    "rank_dad:4:two_way", "rank_dad:8:two_way", "powersgd:1", "powersgd:4",
+                    "ef_topk:0.01")
+
+
+def workload_table(task: Task, by_method: dict, seeds) -> tuple[str, dict]:
+  """Mean +- std over seeds, per method: the metric, wire bits and modeled time to target."""
+  cfg, n = task.config, task.config.num_sites
+  better = "higher" if task.metric == "accuracy" else "lower"
+  lines = [f"### {task.name}: {cfg.model} on `{cfg.dataset.split(':')[0]}`, {n} sites "
+           f"({cfg.partition}{f', alpha {cfg.alpha:g}' if cfg.partition == 'dirichlet' else ''}),"
+           f" {cfg.batch_per_site} rows/site, {cfg.steps} steps, seeds {','.join(map(str, seeds))}"
+           f"; target test {task.metric} {task.target:g} ({better} is better)",
+           "",
+           f"| method | test {task.metric} | payload bits/step/site | wire bits/step/site (ring, "
+           f"N={n}) | wire ratio vs fp32 | vs bf16 | modeled comm/step (ms) | seeds at target "
+           f"| steps to target | wire bits to target | modeled comm to target (ms) "
+           f"| grad rel. error | eff. rank |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  summary = {}
+  for spec, runs in by_method.items():
+    values = [r["test_metric"] for r in runs]
+    steps = [r["steps_to_target"] for r in runs if r["steps_to_target"]]
+    rep = runs[0]["report"]
+    ranks = [r["effective_rank"] for r in runs if r["effective_rank"] is not None]
+    rank = mean_std(ranks, "{:.2f}") if ranks else "-"
+    err = mean_std([r["grad_error"] for r in runs], "{:.2e}")
+    reached = f"{len(steps)}/{len(runs)}"
+    steps_to = mean_std(steps, "{:.0f}") if steps else "not reached"
+    if rep is None:
+      lines.append(f"| {spec} | {mean_std(values)} | 0 | 0 | - | - | 0 | {reached} | {steps_to} "
+                   f"| 0 | 0 | 0 (reference) | {rank} |")
+      summary[spec] = {"metric": float(np.mean(values)), "wire": 0.0, "steps": steps,
+                       "bits_to": 0.0 if steps else None}
+      continue
+    wire = rep["wire_bits_per_step"]
+    bits_to = [s * wire for s in steps]
+    time_to = [1e3 * s * rep["modeled_comm_s_per_step"] for s in steps]
+    lines.append(f"| {spec} | {mean_std(values)} | {rep['payload_bits_per_step']:,} | "
+                 f"{wire:,.0f} | {_ratio(rep['wire_ratio_fp32'])} | "
+                 f"{_ratio(rep['wire_ratio_bf16'])} | "
+                 f"{1e3 * rep['modeled_comm_s_per_step']:.3f} | {reached} | {steps_to} | "
+                 f"{mean_std(bits_to, '{:.3g}') if steps else '-'} | "
+                 f"{mean_std(time_to, '{:.1f}') if steps else '-'} | {err} | {rank} |")
+    summary[spec] = {"metric": float(np.mean(values)), "wire": wire, "steps": steps,
+                     "bits_to": float(np.mean(bits_to)) if len(steps) == len(runs) else None,
+                     "std": float(np.std(values))}
+  base = next((r[0]["report"] for s, r in by_method.items() if r[0]["report"]), None)
+  if base is not None:
+    lines += ["", f"Baselines for these tensors (ring, N={n}): an fp32 all-reduce puts "
+              f"{base['fp32_wire_bits_per_step']:,.0f} wire bits/site on the ring per step, a "
+              f"bf16 all-reduce {base['bf16_wire_bits_per_step']:,.0f}. \"seeds at target\": runs whose test "
+              "metric reached the target at an evaluation; the to-target columns average "
+              "over those runs only; comm time is `NetworkModel(1e9, 50e-6, N, 'ring')` "
+              "charged per compiled collective op (compute time excluded)."]
+  return "\n".join(lines), summary
+
+
+def rank_dad_verdict(task: Task, summary: dict) -> str:
+  """The dAD paper's transformer claim, as measured: rank-dAD vs PowerSGD / TopK."""
+  def best(prefix):
+    cands = {m: v for m, v in summary.items() if m.startswith(prefix)}
+    full = {m: v for m, v in cands.items() if v["bits_to"] is not None}
+    if full:
+      m = min(full, key=lambda k: full[k]["bits_to"])
+      return m, full[m]
+    if cands:
+      key = (lambda k: -cands[k]["metric"]) if task.metric == "accuracy" else (
+          lambda k: cands[k]["metric"])
+      m = min(cands, key=key)
+      return m, cands[m]
+    return None, None
+  rd, rv = best("rank_dad")
+  others = [best("powersgd"), best("ef_topk")]
+  others = [(m, v) for m, v in others if m]
+  if rd is None or not others:
+    return "(rank-dAD or its comparison methods were not run.)"
+  parts = []
+  for m, v in others:
+    if rv["bits_to"] is not None and v["bits_to"] is not None:
+      ratio = v["bits_to"] / max(rv["bits_to"], 1.0)
+      parts.append(f"`{rd}` reached the target with {rv['bits_to']:.3g} wire bits/site, `{m}` "
+                   f"with {v['bits_to']:.3g} ({ratio:.2f}x {'more' if ratio > 1 else 'fewer'} "
+                   f"for `{m}`)")
+    else:
+      parts.append(f"final test {task.metric}: `{rd}` {rv['metric']:.3f} at {rv['wire']:,.0f} "
+                   f"wire bits/step, `{m}` {v['metric']:.3f} at {v['wire']:,.0f} (not every "
+                   f"seed of both reached the target)")
+  return "Measured: " + "; ".join(parts) + "."
+
+
+def run_workloads(args, methods, out: pathlib.Path) -> list[str]:
+  seeds = [int(v) for v in args.seeds.split(",")]
+  sections = []
+  for name in args.workload.split(","):
+    wl = workloads.get(name)
+    missing = wl.available()
+    if missing:
+      raise SystemExit(f"workload {name}: {missing}")
+    for partition in args.partitions.split(","):
+      ops_cache, by_method, task = {}, {}, None
+      for seed in seeds:
+        overrides = {"seed": seed, **workloads.partition_fields(wl, partition)}
+        if args.steps:
+          overrides["steps"] = args.steps
+        cfg = wl.config(args.quick, **overrides)
+        task = Task(f"{name}_{partition}", cfg, tuple(methods or WORKLOAD_METHODS),
+                    wl.target_for(args.quick), wl.metric)
+        print(f"[{task.name}] seed {seed}", flush=True)
+        rows = run_task(task, None, ops_cache=ops_cache)
+        for r in rows:
+          by_method.setdefault(r["method"], []).append(r)
+        if seed == seeds[0]:
+          plot(task, rows, out / f"dad_{task.name}.png")
+      table, summary = workload_table(task, by_method, seeds)
+      print(table, flush=True)
+      sections.append(f"{table}\n\n{rank_dad_verdict(task, summary)}\n\n"
+                      f"![{task.name}](dad_{task.name}.png)\n")
+  return sections
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", action="append",
@@ -352,6 +496,13 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=None, help="override steps")
   parser.add_argument("--methods", default=None, help="comma-separated methods override")
   parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
+  parser.add_argument("--workload", default=None,
+                      help=f"comma-separated real workloads ({', '.join(workloads.WORKLOADS)}) "
+                      "instead of the configs; several seeds and partitions, mean +- std")
+  parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
+  parser.add_argument("--seeds", default="0,1,2", help="workload seeds")
+  parser.add_argument("--partitions", default="iid,non_iid", help="workload partitions")
+  parser.add_argument("--name", default="dad", help="output file stem (<out>/<name>.md)")
   args = parser.parse_args(argv)
   configs = args.config or [str(ROOT / c) for c in DEFAULT_CONFIGS]
   methods = args.methods.split(",") if args.methods else None
@@ -362,6 +513,9 @@ def main(argv=None) -> int:
               f"jax {jax.__version__}, {jax.device_count()} simulated CPU devices "
               f"(sites run under `vmap`).\n"]
   t0 = time.perf_counter()
+  if args.workload:
+    sections += run_workloads(args, methods, out)
+    configs = []
   for path in configs:
     task = load_task(path, steps=args.steps)
     print(f"[{task.name}] {path}", flush=True)
@@ -372,8 +526,8 @@ def main(argv=None) -> int:
     sections.append(table + f"\n\n![{task.name}](dad_{task.name}.png)\n")
   sections.append(NOTES)
   sections.append(f"Total wall time: {time.perf_counter() - t0:.0f} s (2 CPU cores).\n")
-  (out / "dad.md").write_text("\n".join(sections))
-  print(f"wrote {out / 'dad.md'}")
+  (out / f"{args.name}.md").write_text("\n".join(sections))
+  print(f"wrote {out / f'{args.name}.md'}")
   return 0
 
 

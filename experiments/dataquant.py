@@ -48,6 +48,11 @@ from dadjax.config import Config  # pylint: disable=g-import-not-at-top
 from dadjax.train import train  # pylint: disable=g-import-not-at-top
 
 ROOT = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+QUICK = False  # --quick: the workloads at their quick sizes
+PARTITION: dict = {}  # --partition non_iid: the workload's non-IID split
 SITES, ROWS = 8, 16
 
 MODELS = {
@@ -85,6 +90,10 @@ def available(spec: str) -> bool:
 
 def config_for(model: str, spec: str, seed: int, steps: int, eval_every: int,
                width: int | None = None) -> Config:
+  if model in workloads.WORKLOADS:  # a real workload (Fashion-MNIST), --workload
+    wl = workloads.get(model)
+    return wl.config(QUICK, method=spec, seed=seed, steps=steps, eval_every=eval_every,
+                     bandwidth=1.0, latency=0.0, **PARTITION)
   name, kwargs = MODELS[model]
   if width is not None:
     kwargs = {"hidden": [width, width]}
@@ -128,8 +137,13 @@ def mean_std(values) -> str:
 
 
 def task_table(model, results, target) -> tuple[str, dict]:
-  lines = [f"### {model}: {MODELS[model][1]}, {SITES} sites x {ROWS} rows, target test accuracy "
-           f"{target}", "",
+  if model in workloads.WORKLOADS:
+    cfg = config_for(model, "allreduce", 0, 1, 1)
+    what = (f"{workloads.get(model).description} ({cfg.partition}), {cfg.num_sites} sites x "
+            f"{cfg.batch_per_site} rows, lr {cfg.lr:g}")
+  else:
+    what = f"{MODELS[model][1]}, {SITES} sites x {ROWS} rows"
+  lines = [f"### {model}: {what}, target test accuracy {target}", "",
            "| method | test acc | wire bits/step/site | wire bits to target | "
            "backward rows/step/site | wall s/run |",
            "|---|---|---|---|---|---|"]
@@ -221,9 +235,24 @@ def main(argv=None) -> int:
   parser.add_argument("--target", type=float, default=0.92)
   parser.add_argument("--widths", default="64,256,1024")
   parser.add_argument("--out", default=str(ROOT / "results"))
+  parser.add_argument("--workload", default=None,
+                      help="comma-separated real workloads (fashion_mlp, fashion_cnn) instead "
+                      "of --models")
+  parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
+  parser.add_argument("--partition", default="iid", help="workload partition: iid or non_iid")
+  parser.add_argument("--name", default="dataquant", help="output file stem")
   args = parser.parse_args(argv)
+  global QUICK, PARTITION  # pylint: disable=global-statement
+  QUICK = args.quick
+  if args.workload:
+    for name in args.workload.split(","):
+      wl = workloads.get(name)
+      if wl.available():
+        parser.error(f"--workload {name}: {wl.available()}")
+      PARTITION = workloads.partition_fields(wl, args.partition)
+    args.models = args.workload
   seeds = [int(s) for s in args.seeds.split(",")]
-  widths = [int(w) for w in args.widths.split(",")]
+  widths = [int(w) for w in args.widths.split(",")] if args.widths != "none" else []
   methods = registry.split_specs(args.methods)
   skipped = [m for m in methods if not available(m)]
   methods = [m for m in methods if available(m)]
@@ -241,14 +270,17 @@ def main(argv=None) -> int:
     sections.append(table)
     curves[model] = results
     verdicts.append(verdict(model, to_target))
-  sweep_table, sweep = width_sweep(widths)
+  sweep_table, sweep = width_sweep(widths) if widths else ("(Width sweep not run.)", {})
   print(sweep_table, flush=True)
-  plot(curves, sweep, widths, out / "dataquant.png")
+  plot(curves, sweep, widths, out / f"{args.name}.png")
   command = "python experiments/dataquant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  lr_text = "lr 0.1" if not args.workload else (
+      f"lr {config_for(args.models.split(',')[0], 'allreduce', 0, 1, 1).lr:g}"
+      + (", quick sizes" if QUICK else ""))
   text = "\n\n".join([
       "# Data quantization against gradient compressors and dAD",
       f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on the CPU, vmap "
-      f"backend, seeds {seeds}, {args.steps} steps, SGD momentum 0.9, lr 0.1).",
+      f"backend, seeds {seeds}, {args.steps} steps, SGD momentum 0.9, {lr_text}).",
       *sections,
       "### Against the target (>= 10x fewer wire bits than the best gradient compressor)",
       "\n".join(verdicts),
@@ -256,8 +288,8 @@ def main(argv=None) -> int:
       NOTES + (f"\n- Not run (not registered in this build): {', '.join(skipped)}."
                if skipped else ""),
   ])
-  (out / "dataquant.md").write_text(text + "\n")
-  print(f"wrote {out / 'dataquant.md'} and {out / 'dataquant.png'}")
+  (out / f"{args.name}.md").write_text(text + "\n")
+  print(f"wrote {out / f'{args.name}.md'} and {out / f'{args.name}.png'}")
   return 0
 
 

@@ -41,6 +41,9 @@ from dadjax.config import Config  # noqa: E402
 from dadjax.demo import DEFAULT_METHODS  # noqa: E402
 from dadjax.train import build, train  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 METHODS = ("allreduce", "bf16", "topk:0.01", "qsgd:16", "sign", "powersgd:2", "dad", "rank_dad:2")
 SITES = tuple(2**i for i in range(1, 11))
 BANDWIDTHS = (1e8, 1e9, 1e10, 1e11)
@@ -69,11 +72,11 @@ def compute_seconds(method: str, base: Config, repeats: int = 30) -> float:
   return min(times)
 
 
-def measure(methods, steps: int, base: Config) -> dict:
+def measure(methods, steps: int, base: Config, keep_lr: bool = False) -> dict:
   out = {}
   for method in methods:
     config = base.replace(method=method, steps=steps, eval_every=steps,
-                          lr=DEFAULT_METHODS.get(method, base.lr))
+                          lr=base.lr if keep_lr else DEFAULT_METHODS.get(method, base.lr))
     run = train(config, progress=False)
     rows = config.num_sites * config.batch_per_site
     ops = run.step_fn.collectives(run.state, {"x": run.dataset.x_train[:rows],
@@ -151,13 +154,25 @@ def main(argv=None) -> int:
   parser.add_argument("--latency", type=float, default=50e-6)
   parser.add_argument("--hidden", default="64,64", help="MLP hidden widths, comma-separated")
   parser.add_argument("--name", default="scaling", help="output file stem")
+  parser.add_argument("--workload", default=None,
+                      help=f"a real workload ({', '.join(workloads.WORKLOADS)}) instead of the "
+                      "digits MLP (--hidden is then ignored)")
+  parser.add_argument("--quick", action="store_true", help="the workload at its quick sizes")
   args = parser.parse_args(argv)
   methods = args.methods.split(",")
   if "allreduce" not in methods:
     methods = ["allreduce"] + methods
   hidden = tuple(int(h) for h in args.hidden.split(","))
-  base = Config(latency=args.latency, model_kwargs={"hidden": hidden})
-  measured = measure(methods, args.steps, base)
+  if args.workload:
+    wl = workloads.get(args.workload)
+    if wl.available():
+      parser.error(f"--workload {args.workload}: {wl.available()}")
+    base = wl.config(args.quick, latency=args.latency, backend="shard_map")
+    what = f"{wl.description}{' (quick sizes)' if args.quick else ''}, {base.model_kwargs}"
+  else:
+    base = Config(latency=args.latency, model_kwargs={"hidden": hidden})
+    what = f"digits MLP hidden={hidden}"
+  measured = measure(methods, args.steps, base, keep_lr=bool(args.workload))
   text = table(measured, args.latency)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +180,7 @@ def main(argv=None) -> int:
   command = "python experiments/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
   (out / f"{args.name}.md").write_text(
       "# Where compression stops paying\n\n"
-      f"Command: `{command}` (digits MLP hidden={hidden}, {base.batch_per_site} rows per site, "
+      f"Command: `{command}` ({what}, {base.batch_per_site} rows per site, "
       f"{m_params(measured):,} parameters, ledger from an "
       f"8-site shard_map run of {args.steps} steps; compute time: the fastest of 30 one-site steps on this "
       f"host's CPU, shared with other processes).\n\n"

@@ -72,6 +72,14 @@ def test_read_idx_wider_types_and_file_list(tmp_path):
   ds = data.load_idx([d / "train-images-idx3-ubyte", d / "train-labels-idx1-ubyte",
                       d / "t10k-images-idx3-ubyte", d / "t10k-labels-idx1-ubyte"], num_classes=12)
   assert ds.num_classes == 12 and len(ds.y_test) == 2
+  few = data.load_idx(d, max_examples=1)
+  assert len(few.x_train) == len(few.y_test) == 1 and few.y_train[0] == 3
+  padded = data.load_idx(d, pad_to=5)
+  assert padded.x_train.shape == (3, 5, 5, 1) and padded.x_test.shape == (2, 5, 5, 1)
+  np.testing.assert_array_equal(padded.x_train[:, 1:3, 1:3], ds.x_train)
+  assert padded.x_train.sum() == pytest.approx(ds.x_train.sum())
+  with pytest.raises(DadjaxError, match="pad_to"):
+    data.load_idx(d, pad_to=1)
 
 
 def test_read_idx_rejects_damaged_files(tmp_path):

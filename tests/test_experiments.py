@@ -61,3 +61,69 @@ def test_dataquant_experiment_runs(tmp_path):
   for method in ("allreduce", "powersgd:2", "qdad:4", "dataquant:2:classes=10"):
     assert f"| {method} |" in text
   assert "Width sweep" in text and (tmp_path / "dataquant.png").stat().st_size > 10_000
+
+
+# -- the real workloads (Fashion-MNIST and text from Debian's packages), --quick -----------------
+
+sys.path.insert(0, str(ROOT / "experiments"))
+import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _needs(*names):
+  missing = [workloads.get(n).available() for n in names]
+  missing = [m for m in missing if m]
+  return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "available")
+
+
+@pytest.mark.slow
+@_needs("text_lm")
+def test_dad_workload_quick(tmp_path):
+  _run(["experiments/dad.py", "--workload", "text_lm", "--quick", "--steps", "4", "--seeds", "0,1",
+        "--partitions", "iid,non_iid", "--methods", "pooled,allreduce,rank_dad:2,powersgd:2",
+        "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "dad.md").read_text()
+  for part in ("text_lm_iid", "text_lm_non_iid"):
+    assert f"### {part}: transformer_lm" in text and (tmp_path / f"dad_{part}.png").exists()
+  assert "| rank_dad:2 |" in text and " +- " in text and "seeds 0,1" in text
+  assert "wire bits/step/site (ring, N=8)" in text and "Measured:" in text
+
+
+@pytest.mark.slow
+@_needs("fashion_cnn")
+def test_accordion_workload_quick(tmp_path):
+  _run(["experiments/accordion.py", "--workload", "fashion_cnn", "--quick", "--steps", "6",
+        "--seeds", "0", "--partitions", "iid", "--families", "powersgd21", "--out",
+        str(tmp_path)], tmp_path)
+  text = (tmp_path / "accordion.md").read_text()
+  assert "`accordion(powersgd:2,powersgd:1)`" in text and "| fashion_cnn | iid |" in text
+
+
+@pytest.mark.slow
+@_needs("fashion_mlp")
+def test_dataquant_workload_quick(tmp_path):
+  _run(["experiments/dataquant.py", "--workload", "fashion_mlp", "--quick", "--steps", "4",
+        "--eval-every", "2", "--seeds", "0", "--methods", "allreduce,dataquant:2:classes=10",
+        "--widths", "none", "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "dataquant.md").read_text()
+  assert "### fashion_mlp: Fashion-MNIST" in text and "| dataquant:2:classes=10 |" in text
+
+
+@pytest.mark.slow
+@_needs("fashion_mlp")
+def test_scaling_workload_quick(tmp_path):
+  _run(["experiments/scaling.py", "--workload", "fashion_mlp", "--quick", "--steps", "2",
+        "--methods", "allreduce,bf16,rank_dad:2", "--out", str(tmp_path)], tmp_path)
+  assert "| rank_dad:2 |" in (tmp_path / "scaling.md").read_text()
+
+
+@pytest.mark.slow
+def test_device_run_tiny_on_cpu(tmp_path):
+  if workloads.get("text_lm").available() or workloads.get("fashion_mlp").available():
+    pytest.skip("needs the Fashion-MNIST and Python documentation packages (make data)")
+  env = {**os.environ, "OUT": str(tmp_path / "device"), "PYTHON": sys.executable,
+         "DADJAX_FASHION_MNIST": workloads.FASHION_DIR, "DADJAX_TEXT_GLOB": workloads.TEXT_GLOB}
+  proc = subprocess.run(["bash", "experiments/device_run.sh", "--tiny"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=3000)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  for name in ("dad_device.md", "dataquant_device.md", "scaling_device.md", "time.txt"):
+    assert (tmp_path / "device" / name).exists(), name

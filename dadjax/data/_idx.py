@@ -77,7 +77,8 @@ def _find(directory: pathlib.Path, stem: str) -> pathlib.Path:
 
 
 def load_idx(directory_or_files: Union[PathLike, Sequence[PathLike], Mapping[str, PathLike]],
-             name: str = "idx", num_classes: Optional[int] = None) -> Dataset:
+             name: str = "idx", num_classes: Optional[int] = None,
+             max_examples: Optional[int] = None, pad_to: Optional[int] = None) -> Dataset:
   """Loads an MNIST-style data set (MNIST, Fashion-MNIST, KMNIST, ...) from IDX files.
 
   Args:
@@ -90,6 +91,10 @@ def load_idx(directory_or_files: Union[PathLike, Sequence[PathLike], Mapping[str
     name: the `Dataset`'s name. Default ``"idx"``.
     num_classes: number of classes; default ``max(label) + 1`` over both
       splits.
+    max_examples: keep at most this many examples of each split (a prefix,
+      >= 1); default all.
+    pad_to: zero-pad the images (centred) to ``pad_to x pad_to``, e.g. 32 for
+      CIFAR-sized models on 28x28 digits; default no padding.
 
   Returns:
     A `Dataset` with float32 images in [0, 1] shaped ``(n, H, W, 1)`` (uint8
@@ -100,6 +105,8 @@ def load_idx(directory_or_files: Union[PathLike, Sequence[PathLike], Mapping[str
       disagree in number (the message names the files).
   """
   keys = ("x_train", "y_train", "x_test", "y_test")
+  if max_examples is not None and max_examples < 1:
+    raise DadjaxError(f"max_examples must be None or an int >= 1, got {max_examples!r}")
   if isinstance(directory_or_files, Mapping):
     missing = sorted(set(keys) - set(directory_or_files))
     if missing:
@@ -129,16 +136,25 @@ def load_idx(directory_or_files: Union[PathLike, Sequence[PathLike], Mapping[str
     if images.ndim not in (3, 4) or labels.ndim != 1 or len(images) != len(labels):
       raise DadjaxError(f"load_idx: {str(pi)!r} holds shape {images.shape} and {str(pl)!r} "
                         f"shape {labels.shape}; expected (n, H, W) images and (n,) labels")
+    images, labels = images[:max_examples], labels[:max_examples]
     x = images.astype(np.float32)
     if images.dtype == np.uint8:
       x /= 255.0
-    out += [x[..., None] if x.ndim == 3 else x, labels.astype(np.int32)]
+    x = x[..., None] if x.ndim == 3 else x
+    if pad_to is not None:
+      h, w = x.shape[1:3]
+      if pad_to < max(h, w):
+        raise DadjaxError(f"pad_to must be >= the image size {h}x{w}, got {pad_to}")
+      top, left = (pad_to - h) // 2, (pad_to - w) // 2
+      x = np.pad(x, ((0, 0), (top, pad_to - h - top), (left, pad_to - w - left), (0, 0)))
+    out += [x, labels.astype(np.int32)]
   k = int(max(out[1].max(initial=0), out[3].max(initial=0))) + 1 if num_classes is None else \
       int(num_classes)
   return Dataset(*out, num_classes=k, name=name)
 
 
-def load_fashion_mnist(path: Optional[PathLike] = None) -> Dataset:
+def load_fashion_mnist(path: Optional[PathLike] = None, max_examples: Optional[int] = None,
+                       pad_to: Optional[int] = None) -> Dataset:
   """Fashion-MNIST (Xiao, Rasul & Vollgraf 2017, https://arxiv.org/abs/1708.07747).
 
   60,000 training and 10,000 test images of 28x28 grey-scale clothing, 10
@@ -149,6 +165,9 @@ def load_fashion_mnist(path: Optional[PathLike] = None) -> Dataset:
   Args:
     path: directory of the four IDX files (gzip or raw); default
       ``/usr/share/datasets/fashion-mnist``.
+    max_examples: keep at most this many examples of each split (a prefix;
+      the files are in shuffled order); default all.
+    pad_to: zero-pad the images to ``pad_to x pad_to`` (e.g. 32); default 28x28.
 
   Returns:
     A `Dataset` named ``"fashion_mnist"``: float32 images ``(n, 28, 28, 1)``
@@ -163,4 +182,5 @@ def load_fashion_mnist(path: Optional[PathLike] = None) -> Dataset:
     raise DadjaxError(f"Fashion-MNIST not found in {str(directory)!r}: install it with "
                       f"`{FASHION_MNIST_PACKAGE}` (as root; or `make data`), or pass the "
                       "directory that holds its four IDX files")
-  return load_idx(directory, name="fashion_mnist", num_classes=10)
+  return load_idx(directory, name="fashion_mnist", num_classes=10, max_examples=max_examples,
+                  pad_to=pad_to)
