@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dadjax._shards import shard_axes
+from dadjax._core.shards import shard_axes
 
 
 def tree_add(a: Any, b: Any) -> Any:

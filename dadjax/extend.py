@@ -39,7 +39,7 @@
   :func:`current_state`.
 """
 
-from dadjax._shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
+from dadjax._core.shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
                              whole_max, whole_size, whole_sum)
 from dadjax.comm import (
     FP32_BITS,

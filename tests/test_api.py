@@ -66,7 +66,7 @@ def test_extension_helpers_are_not_the_public_face():
     for pkg in ("comm", "compress", "dad"):
       assert helper not in getattr(dadjax, pkg).__all__, (pkg, helper)
   # The extension names are the same objects as where they are implemented.
-  assert extend.pack_bits is importlib.import_module("dadjax.compress._packing").pack_bits
+  assert extend.pack_bits is importlib.import_module("dadjax._core.packing").pack_bits
 
 
 def test_package_docstring_claims_only_what_exists():
@@ -157,6 +157,6 @@ def test_protocol_modules_import_nothing_above_comm():
     path = PACKAGE / name
     dadjax_imports = {i for i in imports_of(path) if i.startswith("dadjax")}
     allowed = {i for i in dadjax_imports
-               if i.startswith(("dadjax.comm", "dadjax._tree_utils", "dadjax._shards",
+               if i.startswith(("dadjax.comm", "dadjax._tree_utils", "dadjax._core.shards",
                                  "dadjax.errors"))}
     assert dadjax_imports == allowed, (name, dadjax_imports - allowed)

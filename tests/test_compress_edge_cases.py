@@ -16,7 +16,7 @@ import pytest
 import dadjax
 from dadjax import compress as C
 from dadjax import dad
-from dadjax._linalg import orthogonalize
+from dadjax._core.linalg import orthogonalize
 from dadjax.compress._base import leaf_keys
 
 AXIS = "sites"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dadjax import dad
-from dadjax._linalg import orthogonalize, project_out
+from dadjax._core.linalg import orthogonalize, project_out
 
 SITES = 8
 AXIS = "data"

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import dadjax
 from dadjax import extend
-from dadjax._shards import LeafShard, current_leaf, sharded_parameters
+from dadjax._core.shards import LeafShard, current_leaf, sharded_parameters
 from dadjax.comm import HierarchicalNetwork, NetworkModel, collective_ops
 from dadjax.methods import build_method
 from dadjax.models import MLP

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._shards import require_whole_leaves
+from dadjax._core.bits import as_bits
+from dadjax._core.vma import cond
+from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import path_names
-from dadjax.adaptive import _vary
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,
@@ -46,8 +47,7 @@ from dadjax.comm import (
     metered_pmean,
     tree_dense_bits,
 )
-from dadjax.compress import Compressor, exchange, step_keys
-from dadjax.compress._base import leaf_keys
+from dadjax.compress import Compressor, exchange, leaf_keys, step_keys
 
 
 class AccordionState(NamedTuple):
@@ -84,9 +84,6 @@ class AccordionState(NamedTuple):
 def _compressed(leaf) -> bool:
   return len(jnp.shape(leaf)) >= 2
 
-
-def _as_bits(x) -> Bits:
-  return x if isinstance(x, Bits) else bits_const(int(x))
 
 
 def accordion(
@@ -189,11 +186,11 @@ def accordion(
           out = exchange(compressor, (x,), s_low if chosen_low else s_high, k, axis_name)
           t = out.traffic
           new_low, new_high = (out.state, s_high) if chosen_low else (s_low, out.state)
-          return (out.mean[0].astype(x.dtype), new_low, new_high, _as_bits(t.reduce),
-                  _as_bits(t.gather), jnp.int32(t.reduce_calls), jnp.int32(t.gather_calls))
+          return (out.mean[0].astype(x.dtype), new_low, new_high, as_bits(t.reduce),
+                  as_bits(t.gather), jnp.int32(t.reduce_calls), jnp.int32(t.gather_calls))
         return run
 
-      m, lows[i], highs[i], r, g, rc, gc = _vary.cond(
+      m, lows[i], highs[i], r, g, rc, gc = cond(
           detector.critical[i], branch(low, True), branch(high, False),
           (state.low[i], state.high[i]))
       mean[i] = m
@@ -205,7 +202,7 @@ def accordion(
       averaged, t = metered_pmean([leaves[i].astype(jnp.float32) for i in raw], axis_name)
       for i, v in zip(raw, averaged):
         mean[i] = v.astype(leaves[i].dtype)
-      reduce = bits_add(reduce, _as_bits(t.reduce))
+      reduce = bits_add(reduce, as_bits(t.reduce))
       reduce_calls = reduce_calls + t.reduce_calls
 
     sent_low = state.compressed & detector.critical

@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._shards import require_whole_leaves
+from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import tree_add, tree_zeros_like
-from dadjax.adaptive import _vary
+from dadjax._core.vma import cond
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,
@@ -190,7 +190,7 @@ def accordion_batch(
       return (tree_zeros_like(updates), acc, inner, pending, state.k, state.last_k,
               state.updates, seen)
 
-    out, acc, inner, pending, k, last_k, count, seen = _vary.cond(
+    out, acc, inner, pending, k, last_k, count, seen = cond(
         pending >= state.k, apply, wait, (acc, state.inner, params, pending))
     new_state = AccordionBatchState(state.micro + 1, pending, k, last_k, count, seen, acc,
                                     detector, inner, lr, comm)

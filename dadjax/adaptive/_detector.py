@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax.adaptive import _vary
+from dadjax._core.vma import cond
 from dadjax.comm import metered_pmean
 
 NORM_BITS = 32  # one fp32 norm per tensor per window
@@ -179,7 +179,7 @@ def detector_update(
     return ops
 
   ops = (accum, steps, state.windows, state.ref_norms, state.norms, state.critical)
-  accum, steps, windows, ref, norms, critical = _vary.cond(end, close, keep, ops)
+  accum, steps, windows, ref, norms, critical = cond(end, close, keep, ops)
   return DetectorState(steps, windows, accum, ref, norms, critical), end
 
 

@@ -17,7 +17,7 @@ are for writing new methods: their documented home is :mod:`dadjax.extend`,
 and they stay importable from here.
 """
 
-from dadjax.comm._bits import (
+from dadjax._core.bits import (
     Bits,
     bits_add,
     bits_const,
@@ -29,29 +29,15 @@ from dadjax.comm._bits import (
     host_array,
     tree_bits,
 )
-from dadjax.comm._collectives import (
-    AllReduceState,
-    allreduce,
-    axis_size,
-    gather_sites,
-    mean_over_sites,
-    site_index,
-    sum_over_sites,
-)
+from dadjax.comm._collectives import AllReduceState, allreduce
+from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
 from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
 from dadjax.comm._report import Report, gradient_baseline, report
 from dadjax.comm._hlo import (CollectiveOp, CollectiveOps, collective_ops, compiled_collectives,
                               hlo_collectives)
-from dadjax.comm._vma import (
-    COMM_COLLECTION,
-    STATE_COLLECTION,
-    is_varying,
-    to_varying,
-    tree_to_varying,
-    tree_vma,
-    vma,
-)
+from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
+from dadjax._core.vma import is_varying, to_varying, tree_to_varying, tree_vma, vma  # noqa: F401
 from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits, wire_factor
 from dadjax.comm._metered import (
     NO_TRAFFIC,

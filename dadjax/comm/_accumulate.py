@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax.comm._vma import tree_vma
+from dadjax._core.vma import branch_matched_cond
 
 
 class AccumulateState(NamedTuple):
@@ -28,21 +28,6 @@ class AccumulateState(NamedTuple):
   micro_step: jax.Array
   grads: Any
   inner: Any
-
-
-def _struct_vma(s) -> frozenset:
-  mat = getattr(s, "manual_axis_type", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(s, "vma", ()) or ())
-
-
-def _cast_to(tree: Any, axes: list) -> Any:
-  """Type leaf ``i`` varying along ``axes[i]`` (it may only gain axes)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  out = []
-  for x, want in zip(leaves, axes):
-    missing = tuple(sorted(want - tree_vma(x)))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return jax.tree.unflatten(treedef, out)
 
 
 def accumulate(tx: optax.GradientTransformation, every_k: int | jax.Array
@@ -110,15 +95,9 @@ def accumulate(tx: optax.GradientTransformation, every_k: int | jax.Array
       return jax.tree.map(jnp.zeros_like, updates), acc, inner
 
     operands = (acc, state.inner)
-    if tree_vma((operands, updates, params)):  # shard_map with type checks
-      # Both branches must return the same types: each leaf varying along
-      # the union of the axes either branch makes it vary along.
-      a, b = (jax.tree.leaves(jax.eval_shape(f, operands)) for f in (step, wait))
-      axes = [_struct_vma(x) | _struct_vma(y) for x, y in zip(a, b)]
-      out, acc, inner = jax.lax.cond(fire, lambda o: _cast_to(step(o), axes),
-                                     lambda o: _cast_to(wait(o), axes), operands)
-    else:
-      out, acc, inner = jax.lax.cond(fire, step, wait, operands)
+    # Both branches return the same types (under shard_map: each leaf varying along
+    # the union of the axes either branch makes it vary along).
+    out, acc, inner = branch_matched_cond(fire, step, wait, operands, updates, params)
     micro = jnp.where(fire, 0, state.micro_step + 1)
     return out, AccumulateState(micro, acc, inner)
 

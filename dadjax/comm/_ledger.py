@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dadjax.comm._bits import Bits, bits_add, bits_const, bits_to_int, bits_zero, host_array
+from dadjax._core.bits import (Bits, as_bits, bits_add, bits_const, bits_to_int, bits_zero,
+                               host_array)
 from dadjax.comm._wire import wire_bits
 
 FP32_BITS = 32
@@ -64,9 +65,6 @@ class IntraSiteStats(CommStats):
 BitsLike = Bits | int
 
 
-def _as_bits(x: BitsLike) -> Bits:
-  return x if isinstance(x, Bits) else bits_const(x)
-
 
 def ledger_init() -> CommStats:
   """An empty ledger."""
@@ -102,7 +100,7 @@ def ledger_record(
   Returns:
     The updated ledger (of the same class as ``stats``).
   """
-  reduce, gather, dense = _as_bits(reduce), _as_bits(gather), _as_bits(dense)
+  reduce, gather, dense = as_bits(reduce), as_bits(gather), as_bits(dense)
   sent = bits_add(reduce, gather)
   return type(stats)(
       step_reduce=reduce,

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from dadjax._core.bits import Bits, as_bits, bits_add
 from dadjax._tree_utils import tree_nbits
-from dadjax.comm._bits import Bits, bits_add, bits_const
+from dadjax.comm._sites import gather_sites
 
 
 class Traffic(NamedTuple):
@@ -43,9 +44,7 @@ NO_TRAFFIC = Traffic()
 def _add(a, b):
   if isinstance(a, int) and isinstance(b, int):
     return a + b
-  a = a if isinstance(a, Bits) else bits_const(a)
-  b = b if isinstance(b, Bits) else bits_const(b)
-  return bits_add(a, b)
+  return bits_add(as_bits(a), as_bits(b))
 
 
 def traffic_add(*terms: Traffic) -> Traffic:
@@ -83,7 +82,6 @@ def metered_pmean(tree: Any, axis_name: str | None) -> tuple[Any, Traffic]:
 def metered_all_gather(tree: Any, axis_name: str | None, *,
                        invariant: bool = False) -> tuple[Any, Traffic]:
   """All-gather every leaf along a new leading site axis, and this site's traffic."""
-  from dadjax.comm._collectives import gather_sites  # pylint: disable=g-import-not-at-top
   out = gather_sites(tree, axis_name, invariant=invariant)
   return out, Traffic(gather=tree_nbits(tree), gather_calls=_calls(tree))
 

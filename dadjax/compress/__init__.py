@@ -14,13 +14,14 @@ from dadjax.compress._base import (
     Traffic,
     as_keys,
     exchange,
+    leaf_keys,
     leafwise,
     one_round_exchange,
     step_keys,
 )
 from dadjax.compress._cast import cast, identity
 from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
-from dadjax.compress._packing import code_bits, pack_bits, packed_words, unpack_bits
+from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
 from dadjax.compress._powersgd import PowerSGDPayload, PowerSGDState, orthogonalize, powersgd
 from dadjax.compress._quantize import QuantizedPayload, qsgd, scaled_sign, sign, terngrad
 from dadjax.compress._sparse import SparsePayload, randomk, topk

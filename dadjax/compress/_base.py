@@ -29,15 +29,14 @@ compressor gets :func:`one_round_exchange`.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dadjax._shards import current_leaf
+from dadjax._core.keys import derive_key
+from dadjax._core.shards import current_leaf
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
 from dadjax.comm import (Bits, Traffic, axis_size, metered_all_gather, metered_psum,  # noqa: F401
                          site_index)
@@ -50,18 +49,6 @@ class Keys(NamedTuple):
 
   shared: jax.Array
   site: jax.Array
-
-
-def derive_key(key: jax.Array, *parts: object) -> jax.Array:
-  """``key`` folded with a 64-bit hash of ``parts`` (domain separation).
-
-  ``parts`` are strings or ints naming a purpose, a method, a leaf path or
-  a site; different parts give (up to a 2^-64 collision) independent keys.
-  """
-  digest = hashlib.blake2b("\x1f".join(map(repr, parts)).encode(), digest_size=8).digest()
-  for i in (0, 4):
-    key = jax.random.fold_in(key, int.from_bytes(digest[i:i + 4], "little") & 0x7FFFFFFF)
-  return key
 
 
 def as_keys(key: Keys | jax.Array) -> Keys:
@@ -139,7 +126,7 @@ class Compressor(NamedTuple):
       sharded within a site (``make_train_step(..., shard_params=True)``)
       and gives the replicated layout's result: it acts on each entry alone,
       or takes its whole-tensor statistics and noise from
-      :mod:`dadjax._shards` (``whole_sum``, ``whole_max``, ``whole_size``,
+      :mod:`dadjax._core.shards` (``whole_sum``, ``whole_max``, ``whole_size``,
       ``slice_uniform``). Other compressors refuse there.
   """
 
@@ -256,7 +243,7 @@ def leafwise(
     leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
     payload = []
     for p, x in leaves:
-      with current_leaf(leaf_path(p)):  # whole-tensor statistics of a sharded leaf (dadjax._shards)
+      with current_leaf(leaf_path(p)):  # whole-tensor statistics of a sharded leaf (dadjax._core.shards)
         payload.append(() if math.prod(jnp.shape(x)) == 0
                        else compress_leaf(x, leaf_keys(key, leaf_path(p), name)))
     return tuple(payload), state
@@ -281,20 +268,6 @@ def leafwise(
   aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
   return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
                     aggregate, name=name, shardable=shardable)
-
-
-def check_ratio(name: str, value) -> float:
-  """``value`` as a float in (0, 1], else a ValueError naming ``name``."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
-    raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-  return float(value)
-
-
-def check_int(name: str, value, minimum: int = 1) -> int:
-  """``value`` as an int >= ``minimum``, else a ValueError naming ``name``."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-  return int(value)
 
 
 def num_kept(size: int, ratio: float) -> int:

@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._linalg import orthogonalize
+from dadjax._core.keys import derive_key
+from dadjax._core.validate import check_int
+from dadjax._core.linalg import orthogonalize
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
-from dadjax.comm import axis_size, metered_psum, traffic_add
-from dadjax.compress._base import (Compressor, Exchanged, Keys, Traffic, as_keys, check_int,
-                                   derive_key)
+from dadjax.comm import Traffic, axis_size, metered_psum, traffic_add
+from dadjax.compress._base import Compressor, Exchanged, Keys, as_keys
 from dadjax.registry import Arg, register_compressor
 
 

@@ -1,7 +1,7 @@
 """Quantizers: QSGD, TernGrad, signSGD (majority vote) and scaled sign (EF-signSGD).
 
 Every quantizer sends a few fp32 scales plus bit-packed integer codes
-(:mod:`dadjax.compress._packing`), so the bytes handed to the all-gather
+(:mod:`dadjax._core.packing`), so the bytes handed to the all-gather
 are exactly the bits the ledger records.
 """
 
@@ -13,10 +13,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._linalg import safe_norm
-from dadjax._shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
-from dadjax.compress._base import Compressor, check_int, leafwise
-from dadjax.compress._packing import code_bits, pack_bits, unpack_bits
+from dadjax._core.validate import check_int
+from dadjax._core.linalg import safe_norm
+from dadjax._core.shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
+from dadjax.compress._base import Compressor, leafwise
+from dadjax._core.packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
 
 
@@ -38,7 +39,7 @@ def _signed(magnitude, negative):
 def _whole_norm(flat: jax.Array) -> jax.Array:
   """The whole tensor's Euclidean norm, without underflow of the squares.
 
-  :func:`~dadjax._linalg.safe_norm` of the leaf; for a slice of a sharded
+  :func:`~dadjax._core.linalg.safe_norm` of the leaf; for a slice of a sharded
   leaf the same ``s * ||x / s||`` with ``s`` and the sum of squares taken
   over the whole tensor.
   """

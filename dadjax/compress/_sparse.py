@@ -8,7 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax.compress._base import Compressor, check_ratio, leafwise, num_kept
+from dadjax._core.validate import check_ratio
+from dadjax.compress._base import Compressor, leafwise, num_kept
 from dadjax.registry import Arg, register_compressor
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._shards import require_whole_leaves
+from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
 from dadjax.compress._base import Compressor, exchange, step_keys

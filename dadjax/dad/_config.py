@@ -10,14 +10,11 @@ import dataclasses
 import math
 from typing import Any
 
+from dadjax._core.validate import check_int
+
 MODES = ("exact", "rank", "auto", "local")
 AGGREGATIONS = ("one_way", "two_way")
 ROUTES = ("gather", "factors", "allreduce", "local")
-
-
-def check_int(name, value, low):
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from typing import Any, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.keys import layer_seed  # noqa: F401  (Dense's too)
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION, Traffic, bits_const
 from dadjax.dad._config import DadConfig
 from dadjax.dad._cost import layer_traffic
@@ -60,15 +60,6 @@ from dadjax.dad._vjp import _dense
 # The "dad_state" entry of a dot_general: the state of its parent's ``kernel``.
 KERNEL_STATE_NAME = "dad_kernel"
 KERNEL_PARAM = "kernel"
-
-
-def layer_seed(seed: int, path) -> int:
-  """The seed of one layer: ``seed`` combined with the layer's module path.
-
-  The path is the same on every site, so the key stays shared; layers draw
-  different random starts (and rounding noise).
-  """
-  return (seed + zlib.crc32("/".join(map(str, path)).encode())) % (1 << 31)
 
 
 def _axes(axes: Sequence[int], ndim: int, name: str) -> tuple[int, ...]:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 
-from dadjax.dad._config import DadConfig, check_int
+from dadjax._core.validate import check_int
+from dadjax.dad._config import DadConfig
 from dadjax.dad._cost import layer_traffic
 from dadjax.dad._dot_general import layer_seed, module_state, report
 from dadjax.dad._state import STATE_NAME, init_state

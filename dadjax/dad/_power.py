@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dadjax._linalg import project_out, safe_norm
+from dadjax._core.vma import vary_like
+from dadjax._core.linalg import project_out, safe_norm
 
 
 class Factors(NamedTuple):
@@ -90,24 +91,6 @@ def _operators(a, d, memory, route, precision):
     return out if memory is None else out + dot(memory.T, u)
 
   return g_mv, (lambda b: gt_mv(g_mv(b)))
-
-
-def _vma(x) -> frozenset:
-  """Mesh axes ``x`` is typed as varying along (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)  # jax 0.10
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
-  """``x`` typed varying along every axis some ``ref`` varies along.
-
-  Under ``shard_map(check_vma=True)`` loop carries must keep their type; a
-  start value drawn from a shared key is invariant while the iterate
-  computed from per-site data is varying. A no-op elsewhere.
-  """
-  missing = frozenset().union(*map(_vma, refs)) - _vma(x)
-  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def factorize(

@@ -29,8 +29,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.keys import fold, seed_step_key
 from dadjax.comm import Traffic, metered_all_gather, site_index
-from dadjax.dataquant._uniform import dequantize_uniform, quantize_uniform, uniform_row_bits
+from dadjax._core.quantize import dequantize_uniform, quantize_uniform, uniform_row_bits
 
 
 def quantized_gather_bits(rows: int, d_in: int, d_out: int, bits: int) -> int:
@@ -41,9 +42,8 @@ def quantized_gather_bits(rows: int, d_in: int, d_out: int, bits: int) -> int:
 def quantize_keys(seed: int, step: jax.Array, axis_name: str | None) -> tuple[jax.Array,
                                                                                  jax.Array]:
   """This site's rounding keys for ``A`` and ``D`` at ``step``: independent per site and step."""
-  key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(step, jnp.int32))
-  key = jax.random.fold_in(key, site_index(axis_name))
-  return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+  key = fold(seed_step_key(seed, step), site_index(axis_name))
+  return fold(key, 0), fold(key, 1)
 
 
 def quantized_gather(a: jax.Array, d: jax.Array, bits: int, keys: tuple[jax.Array, jax.Array],

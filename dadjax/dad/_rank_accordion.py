@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from dadjax.adaptive._detector import is_critical, lr_decreased
-from dadjax.adaptive._vary import cond
+from dadjax._core.keys import seed_step_key
+from dadjax._core.vma import cond
 from dadjax.comm import Bits, Traffic, bits_add, bits_const, bits_from_count, metered_all_gather
 from dadjax.dad._power import factorize
 from dadjax.dad._state import current_state
@@ -152,7 +153,7 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
   high = high_rank_now(config, cur)
   step = jnp.asarray(cur["step"]).astype(jnp.int32)
   # The same key as static rank-dAD: component k starts from fold_in(key, k).
-  key_local, _ = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), step))
+  key_local, _ = jax.random.split(seed_step_key(config.seed, step))
   memory = cur.get("memory")
   fac = factorize(a, d, rank=r_high, iters=config.iters, tol=config.tol, key=key_local,
                   init=cur.get("basis"), memory=memory, precision=config.precision)

@@ -30,8 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dadjax.comm import (NO_TRAFFIC, Traffic, is_varying, metered_all_gather, metered_pmean,
-                         metered_psum, site_index, to_varying, traffic_add, vma)
+from dadjax._core.keys import seed_step_key
+from dadjax._core.vma import is_varying, to_varying, vma
+from dadjax.comm import (NO_TRAFFIC, Traffic, metered_all_gather, metered_pmean, metered_psum,
+                         site_index, traffic_add)
 from dadjax.dad._config import DadConfig
 from dadjax.dad._power import factorize
 from dadjax.dad._quantized import quantize_keys, quantized_gather
@@ -155,7 +157,7 @@ def _rank_dad(config, a, d, cur, invariant, scale, has_bias):
   d_in, d_out = a.shape[1], d.shape[1]
   dot = functools.partial(jnp.dot, precision=config.precision)
   step = jnp.zeros((), jnp.int32) if cur is None else cur["step"]
-  key_local, key_global = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), step))
+  key_local, key_global = jax.random.split(seed_step_key(config.seed, step))
   memory = cur.get("memory") if cur is not None else None
   fac = factorize(a, d, rank=r, iters=config.iters, tol=config.tol, key=key_local,
                   init=cur.get("basis") if cur is not None else None,

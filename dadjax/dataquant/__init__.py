@@ -25,7 +25,7 @@ from dadjax.dataquant._gate import (
 from dadjax.dataquant._labels import decode_labels, encode_labels, label_bits
 from dadjax.dataquant._stage import QUANTIZERS, DataQuantState, dataquant
 from dadjax.dataquant import _methods  # registers the "dataquant" method
-from dadjax.dataquant._uniform import (
+from dadjax._core.quantize import (
     SCALES,
     UniformPayload,
     dequantize_uniform,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dadjax.compress._packing import pack_bits, packed_words, unpack_bits
+from dadjax._core.packing import pack_bits, packed_words, unpack_bits
 
 
 def num_blocks(dim: int, block: int) -> int:

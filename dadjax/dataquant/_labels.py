@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dadjax.compress._packing import code_bits, pack_bits, packed_words, unpack_bits
+from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
 
 
 def check_num_classes(num_classes) -> int | None:

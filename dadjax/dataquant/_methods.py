@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dadjax.dataquant._gate import GATE_MODES, SCORES
 from dadjax.dataquant._stage import QUANTIZERS, dataquant
-from dadjax.dataquant._uniform import SCALES
+from dadjax._core.quantize import SCALES
 from dadjax.registry import COMPRESSOR, Arg, Method, register_method
 
 

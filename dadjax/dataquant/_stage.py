@@ -47,18 +47,18 @@ References:
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.bits import (Bits, as_bits, bits_add, bits_const, bits_from_count, bits_sum,
+                               bits_zero)
+from dadjax._core.packing import code_bits
+from dadjax._core.validate import check_int
 from dadjax._tree_utils import tree_nbits, tree_zeros_like
-from dadjax.comm._bits import Bits, bits_add, bits_const, bits_from_count, bits_sum, bits_zero
-from dadjax.comm._collectives import axis_size
-from dadjax.comm._metered import NO_TRAFFIC, Traffic, metered_all_gather, traffic_add
-from dadjax.compress._base import Compressor, Keys, exchange
-from dadjax.compress._packing import code_bits
+from dadjax.comm import NO_TRAFFIC, Traffic, axis_size, metered_all_gather, traffic_add
+from dadjax.compress import Compressor, Keys, exchange
 from dadjax.registry import get_compressor
 from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
                                         merge_codebooks)
@@ -66,7 +66,7 @@ from dadjax.dataquant._correction import correction_term
 from dadjax.dataquant._gate import (check_gate, check_score, grad_norm_scores, loss_scores,
                                     sample_gate, threshold_gate)
 from dadjax.dataquant._labels import check_num_classes, decode_labels, encode_labels
-from dadjax.dataquant._uniform import (SCALE_BITS, check_bits, check_scale, dequantize_uniform,
+from dadjax._core.quantize import (SCALE_BITS, check_bits, check_scale, dequantize_uniform,
                                        quantize_uniform)
 from dadjax.stage import BatchStage, GradResult, StageContext, StageOutput
 
@@ -103,18 +103,9 @@ class DataQuantState(NamedTuple):
   correction_active: jax.Array
 
 
-def _check_int(name, value, minimum):
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-  return int(value)
-
-
-def _as_bits(x) -> Bits:
-  return x if isinstance(x, Bits) else bits_const(x)
-
 
 def _where_bits(active, b) -> Bits:
-  b = _as_bits(b)
+  b = as_bits(b)
   return Bits(jnp.where(active, b.hi, jnp.uint32(0)), jnp.where(active, b.lo, jnp.uint32(0)))
 
 
@@ -143,7 +134,7 @@ def dataquant(
       their own dtype (no quantization). For ``quantizer="uniform"`` it is bits per
       coordinate; for ``"codebook"`` the codebook has ``2**bits`` codewords.
     scale: ``"sample"`` or ``"feature"`` range of the uniform quantizer
-      (:mod:`dadjax.dataquant._uniform`).
+      (:mod:`dadjax._core.quantize`).
     quantizer: ``"uniform"`` (stochastic, unbiased) or ``"codebook"``
       (k-means vector quantization of blocks of ``block`` features; the
       codebook is learned on the sites' first batches and sent once).
@@ -185,8 +176,8 @@ def dataquant(
     raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
   if quantizer == "codebook" and bits is None:
     raise ValueError("bits must be an int in [1, 8] for quantizer='codebook', got None")
-  block = _check_int("block", block, 1)
-  kmeans_iters = _check_int("kmeans_iters", kmeans_iters, 1)
+  block = check_int("block", block, 1)
+  kmeans_iters = check_int("kmeans_iters", kmeans_iters, 1)
   if isinstance(correction, str):
     try:
       correction = get_compressor(correction)
@@ -195,7 +186,7 @@ def dataquant(
   if correction is not None and not isinstance(correction, Compressor):
     raise ValueError(f"correction must be None, a Compressor or a compressor spec string, "
                      f"got {correction!r}")
-  correct_every = _check_int("correct_every", correct_every, 1)
+  correct_every = check_int("correct_every", correct_every, 1)
   gate, gate_mode, gate_floor = check_gate(gate, gate_mode, gate_floor)
   score = check_score(score)
   num_classes = check_num_classes(num_classes)
@@ -337,7 +328,7 @@ def dataquant(
         c, _ = correction_term(ctx.grad_fn, params, true_batch, own)
         ex = exchange(correction, c, cstate, keys, axis_name)
         sent["traffic"] = ex.traffic
-        return ex.mean, ex.state, _as_bits(ex.traffic.reduce), _as_bits(ex.traffic.gather)
+        return ex.mean, ex.state, as_bits(ex.traffic.reduce), as_bits(ex.traffic.gather)
 
       if correct_every == 1:
         mean, corr_state, c_reduce, c_gather = corrected(state.correction)
@@ -372,7 +363,7 @@ def dataquant(
     if quantizer == "codebook":
       useful = bits_add(useful, _where_bits(~state.codebook_ready, cb_static))
     useful = bits_add(useful, corr_useful)
-    wire_bits = bits_add(_as_bits(traffic.reduce), _as_bits(traffic.gather))
+    wire_bits = bits_add(as_bits(traffic.reduce), as_bits(traffic.gather))
     new_state = DataQuantState(
         correction=corr_state, codebook=codebook, codebook_ready=ready,
         sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, wire_bits=wire_bits,

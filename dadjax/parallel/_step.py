@@ -90,7 +90,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax._shards import sharded_parameters
+from dadjax._core.shards import sharded_parameters
 from dadjax._tree_utils import leaf_path, tree_nbits
 from dadjax.comm import (
     CommStats,
@@ -603,7 +603,7 @@ def _site_program(tx, loss_fn, metrics_fn, mutable, average, batch_stage, axis_n
   ``dims``: with sharded parameters, :func:`shard_dims` of the parameters:
   the step holds slices of those leaves, all-gathers them over ``inner``
   for the forward pass, reduce-scatters their gradients back to slices,
-  and traces the optimizer under :func:`~dadjax._shards.sharded_parameters`
+  and traces the optimizer under :func:`~dadjax._core.shards.sharded_parameters`
   (methods that need whole tensors refuse there).
   """
   tx = optax.with_extra_args_support(tx)
@@ -796,7 +796,7 @@ def make_train_step(
   replicated layout: ``allreduce``, ``identity`` / ``cast`` / ``bf16`` /
   ``fp16``, ``sign``, ``scaled_sign``, ``terngrad``, ``qsgd`` without
   ``bucket_size`` (their norms, maxima and noise are the whole tensor's, via
-  :mod:`dadjax._shards`; each device's payload carries the tensor's scale),
+  :mod:`dadjax._core.shards`; each device's payload carries the tensor's scale),
   ``ef(...)`` of these, dAD and rank-dAD layers (they see whole kernels),
   and elementwise optax optimizers (sgd, momentum, adam, adamw). Methods
   that need a whole tensor (TopK's and RandomK's selections, QSGD's

@@ -131,3 +131,8 @@ def tree_bits(tree) -> Bits:
   found = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Bits))
            if isinstance(x, Bits)]
   return bits_sum(bits_reduce(x) for x in found)
+
+
+def as_bits(x: "Bits | int") -> Bits:
+  """``x`` as :class:`Bits` (a Python int enters through :func:`bits_const`)."""
+  return x if isinstance(x, Bits) else bits_const(int(x))

@@ -18,7 +18,7 @@ unbiased: ``c = floor(t + u)`` with ``t = (x - offset) / step`` and ``u ~
 U[0, 1)``, so ``E[offset + c * step] = x`` and the variance of a coordinate
 is at most ``step**2 / 4``. A constant group (``max == min``) is sent
 exactly. The codes of each row are packed into uint32 words
-(:func:`dadjax.compress.pack_bits`), so a row costs exactly
+(:func:`dadjax._core.packing.pack_bits`), so a row costs exactly
 ``32 * packed_words(D, bits)`` bits (plus its 64-bit scale pair for
 ``scale="sample"``).
 """
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax.compress._packing import pack_bits, packed_words, unpack_bits
+from dadjax._core.packing import pack_bits, packed_words, unpack_bits
 
 SCALES = ("sample", "feature")
 MAX_BITS = 8

@@ -1,0 +1,92 @@
+"""How every random key in dadjax is derived: one scheme, domain-tagged folds of a root key.
+
+Every key is a root key folded (``jax.random.fold_in``) with a sequence of
+*domain tags* and counters. A tag is a 31-bit constant named by text, so two
+purposes never share a key by accident. Two tag functions exist:
+
+* :func:`tag` ``(text)``: ``crc32(text) mod 2**31``, for one fixed word;
+* :func:`derive_key` ``(key, *parts)``: folds in the two 31-bit halves of a
+  64-bit ``blake2b`` hash of ``parts`` (strings / ints: a method name, a leaf
+  path), for structured, open-ended names where collisions must stay below
+  2^-64.
+
+Counters (the step ``t``, the site index ``s``, a component ``k``) are folded
+in as themselves. Who derives what, from which root (all bit-stable across
+versions; changing one changes results and checkpoints' meaning):
+
+============================ ==================================================================
+train step (per run)          ``base = fold(init_key, step_tag("base"))`` (checkpointed);
+                              model key ``fold(base, step_tag("model"), t, s)``; a batch
+                              stage's shared key ``fold(base, step_tag("stage"), t)`` and site
+                              key ``fold(shared, step_tag("site"), s)``. ``step_tag(n) =
+                              tag("dadjax.step/" + n)``.
+rng streams of a loss         :func:`stream_key` ``(model_key, "dropout") = fold(key, tag(name))``.
+compressors                   shared ``fold(derive_key(key(seed), "shared"), t)``, site
+                              ``fold(derive_key(key(seed), "site"), t, s)``; each leaf
+                              ``derive_key(k, method, "leaf", path)`` (``dadjax.compress``).
+dAD layers                    layer seed :func:`layer_seed` ``(seed, path)``; the step's key
+                              :func:`seed_step_key` ``(layer_seed, t)``; rank-dAD splits it and
+                              starts component ``k`` from ``fold(key, k)``; quantized dAD's
+                              rounding keys ``fold(seed_step_key(seed, t), s, 0 | 1)``.
+data quantization             ``fold(stage_key, i)`` for its ``i``-th use (quantize, gate, fit,
+                              correction).
+============================ ==================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+
+_MASK = 0x7FFFFFFF
+
+
+def tag(text: str) -> int:
+  """The domain tag named ``text``: ``crc32(text) mod 2**31``."""
+  return zlib.crc32(text.encode()) & _MASK
+
+
+def step_tag(name: str) -> int:
+  """The train step's tag of one key purpose: ``tag("dadjax.step/" + name)``."""
+  return tag(f"dadjax.step/{name}")
+
+
+def fold(key: jax.Array, *parts: int | str | jax.Array) -> jax.Array:
+  """``key`` folded with each part in turn; a ``str`` part folds in :func:`tag` of it."""
+  for part in parts:
+    key = jax.random.fold_in(key, tag(part) if isinstance(part, str) else part)
+  return key
+
+
+def derive_key(key: jax.Array, *parts: object) -> jax.Array:
+  """``key`` folded with a 64-bit ``blake2b`` hash of ``parts`` (domain separation).
+
+  ``parts`` are strings or ints naming a purpose, a method, a leaf path or
+  a site; different parts give (up to a 2^-64 collision) independent keys.
+  """
+  digest = hashlib.blake2b("\x1f".join(map(repr, parts)).encode(), digest_size=8).digest()
+  for i in (0, 4):
+    key = jax.random.fold_in(key, int.from_bytes(digest[i:i + 4], "little") & _MASK)
+  return key
+
+
+def stream_key(rng: jax.Array, name: str) -> jax.Array:
+  """The key of one named rng stream (``"dropout"``, ...): ``fold(rng, tag(name))``."""
+  return fold(rng, name)
+
+
+def layer_seed(seed: int, path: Iterable) -> int:
+  """A layer's own seed: ``(seed + crc32("/".join(path))) mod 2**31``.
+
+  The path is the same on every site, so a key drawn from it stays shared.
+  """
+  return (seed + zlib.crc32("/".join(map(str, path)).encode())) % (1 << 31)
+
+
+def seed_step_key(seed: int, step) -> jax.Array:
+  """``fold(key(seed), step)`` with the step as int32: a layer's key of one step."""
+  return jax.random.fold_in(jax.random.key(seed), jnp.asarray(step, jnp.int32))
