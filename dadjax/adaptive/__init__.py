@@ -21,10 +21,9 @@ from dadjax.adaptive._detector import (
     detector_init,
     detector_lr_decrease,
     detector_update,
-    is_critical,
-    lr_decreased,
     norm_bits,
 )
+from dadjax._core.critical import is_critical, lr_decreased
 from dadjax.adaptive._plot import decision_matrix, plot_decisions
 from dadjax.adaptive import _methods  # registers the accordion(...) spec  # noqa: F401
 

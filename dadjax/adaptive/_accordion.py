@@ -23,6 +23,7 @@ import optax
 
 from dadjax._core.bits import as_bits
 from dadjax._core.vma import cond
+from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import path_names
 from dadjax.adaptive._detector import (
@@ -31,7 +32,6 @@ from dadjax.adaptive._detector import (
     detector_init,
     detector_lr_decrease,
     detector_update,
-    lr_decreased as _lr_decreased,
     norm_bits,
 )
 from dadjax.comm import (

@@ -41,16 +41,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
-from dadjax._tree_utils import tree_add, tree_zeros_like
 from dadjax._core.vma import cond
+from dadjax._tree_utils import tree_add, tree_zeros_like
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,
     detector_init,
     detector_lr_decrease,
     detector_update,
-    lr_decreased as _lr_decreased,
     norm_bits,
 )
 from dadjax.comm import CommStats, bits_from_count, host_array, ledger_init, ledger_record

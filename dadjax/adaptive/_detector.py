@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.critical import is_critical
 from dadjax._core.vma import cond
 from dadjax.comm import metered_pmean
 
@@ -75,24 +76,6 @@ def check_window(window, interval, eta) -> tuple[int, int, float]:
   return int(window), int(interval), float(eta)
 
 
-def is_critical(old_norm: jax.Array, new_norm: jax.Array, eta: float) -> jax.Array:
-  """Accordion's rule: ``|old - new| / old >= eta``; a zero ``old`` is critical.
-
-  Args:
-    old_norm: norms of the window ``interval`` windows earlier, any shape.
-    new_norm: norms of the window just completed, same shape.
-    eta: threshold, > 0 (the paper uses 0.5).
-
-  Returns:
-    bool array of the same shape (no NaN: a zero ``old`` never divides).
-  """
-  old_norm = jnp.asarray(old_norm, jnp.float32)
-  new_norm = jnp.asarray(new_norm, jnp.float32)
-  zero = old_norm <= 0
-  ratio = jnp.abs(old_norm - new_norm) / jnp.where(zero, 1.0, old_norm)
-  return zero | (ratio >= eta)
-
-
 def detector_init(params: Any, *, whole_model: bool = False) -> DetectorState:
   """A fresh detector for the tensors of ``params``: every tensor critical.
 
@@ -119,13 +102,6 @@ def detector_init(params: Any, *, whole_model: bool = False) -> DetectorState:
 def detector_lr_decrease(state: DetectorState, decreased: jax.Array | bool) -> DetectorState:
   """Make every tensor critical (until the next check) when ``decreased`` is true."""
   return state._replace(critical=state.critical | jnp.asarray(decreased, bool))
-
-
-def lr_decreased(lr_schedule, count: jax.Array) -> jax.Array:
-  """Whether ``lr_schedule(count) < lr_schedule(count - 1)`` (false at ``count = 0``)."""
-  now = jnp.asarray(lr_schedule(count), jnp.float32)
-  before = jnp.asarray(lr_schedule(jnp.maximum(count - 1, 0)), jnp.float32)
-  return (count > 0) & (now < before)
 
 
 def _local_norms(accum: tuple, whole_model: bool) -> jax.Array:

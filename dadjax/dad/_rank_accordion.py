@@ -40,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dadjax.adaptive._detector import is_critical, lr_decreased
+from dadjax._core.critical import is_critical, lr_decreased
 from dadjax._core.keys import seed_step_key
 from dadjax._core.vma import cond
 from dadjax.comm import Bits, Traffic, bits_add, bits_const, bits_from_count, metered_all_gather
