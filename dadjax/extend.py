@@ -37,57 +37,32 @@
 - **dAD kernels**: :func:`factorize`, :class:`Factors`,
   :func:`product_route`, :func:`layer_route`, :func:`layer_bits`,
   :func:`current_state`.
+
+Stability: every name in ``__all__`` here is public API. Its signature and
+behaviour change only with a minor version bump and a note in the
+changelog, and a name is removed only after a release in which it warned;
+everything else in dadjax whose module or name starts with ``_``
+(``dadjax._core`` included) may change in any release. Names here are the
+same objects as where they are implemented (no wrappers), so a method
+written against them composes with the built-in ones.
 """
 
+from dadjax._core.bits import (Bits, bits_add, bits_const, bits_from_count, bits_reduce,
+                               bits_sum, bits_to_int, bits_zero, host_array, tree_bits)
+from dadjax._core.linalg import orthogonalize
+from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
 from dadjax._core.shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
-                             whole_max, whole_size, whole_sum)
-from dadjax.comm import (
-    FP32_BITS,
-    NO_TRAFFIC,
-    Bits,
-    Traffic,
-    axis_size,
-    bits_add,
-    bits_const,
-    bits_from_count,
-    bits_reduce,
-    bits_sum,
-    bits_to_int,
-    bits_zero,
-    find_comm_stats,
-    gather_sites,
-    host_array,
-    ledger_init,
-    ledger_record,
-    mean_over_sites,
-    metered_all_gather,
-    metered_gather_shards,
-    metered_mean_scatter,
-    metered_pmean,
-    metered_psum,
-    site_index,
-    sum_over_sites,
-    traffic_add,
-    tree_bits,
-    tree_dense_bits,
-)
-from dadjax.compress import (
-    Exchanged,
-    Keys,
-    PowerSGDPayload,
-    QuantizedPayload,
-    SparsePayload,
-    as_keys,
-    code_bits,
-    exchange,
-    leafwise,
-    one_round_exchange,
-    orthogonalize,
-    pack_bits,
-    packed_words,
-    step_keys,
-    unpack_bits,
-)
+                                 whole_max, whole_size, whole_sum)
+from dadjax.comm._ledger import (FP32_BITS, find_comm_stats, ledger_init, ledger_record,
+                                 tree_dense_bits)
+from dadjax.comm._metered import (NO_TRAFFIC, Traffic, metered_all_gather, metered_gather_shards,
+                                  metered_mean_scatter, metered_pmean, metered_psum, traffic_add)
+from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
+from dadjax.compress._base import (Exchanged, Keys, as_keys, exchange, leafwise,
+                                   one_round_exchange, step_keys)
+from dadjax.compress._powersgd import PowerSGDPayload
+from dadjax.compress._quantize import QuantizedPayload
+from dadjax.compress._sparse import SparsePayload
 from dadjax.dad import Factors, current_state, factorize, layer_bits, layer_route, product_route
 from dadjax.registry import (
     COMPRESSOR,

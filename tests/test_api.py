@@ -296,3 +296,61 @@ def test_no_import_cycle_inside_a_package(package):
   # A package's face imports its modules; a module importing the face back is the cycle.
   assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
+
+
+# -- faces: one home per public name ----------------------------------------------------
+
+# dadjax re-exports its packages' main names by design (the public face), and dadjax.extend
+# curates the building blocks from where they live; every other public name has one home.
+CURATED = ("dadjax", "dadjax.extend")
+# dadjax.registry implements get_compressor; compress offers it beside the compressors.
+SHARED_BY_DESIGN = {"get_compressor": {"dadjax.compress", "dadjax.registry"}}
+
+
+def test_each_public_name_has_one_home():
+  homes = {}
+  for name in DOCUMENTED + ["dadjax.adaptive", "dadjax.dataquant"]:
+    if name in CURATED:
+      continue
+    for attr in importlib.import_module(name).__all__:
+      homes.setdefault(attr, set()).add(name)
+  shared = {a: m for a, m in homes.items() if len(m) > 1 and SHARED_BY_DESIGN.get(a) != m}
+  assert shared == {}
+
+
+def _imported_from(face: str) -> set[str]:
+  """Names any dadjax module other than the curated faces imports from ``face``."""
+  names = set()
+  for path in PACKAGE.rglob("*.py"):
+    if _module_name(path) in CURATED + (face,):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == face:
+        names.update(a.name for a in node.names)
+  return names
+
+
+@pytest.mark.parametrize("face", ["dadjax.comm", "dadjax.compress"])
+def test_faces_carry_nothing_unused_beyond_all(face):
+  # Besides __all__, a face carries only what the families and the step import from it;
+  # no "stays importable from here" re-exports.
+  module = importlib.import_module(face)
+  extra = {n for n, v in vars(module).items()
+           if not n.startswith("_") and not isinstance(v, type(module)) and n != "annotations"
+           and n not in module.__all__}
+  assert extra - _imported_from(face) == set()
+
+
+def test_readme_calls_only_exported_names():
+  text = README.read_text()
+  missing = set()
+  for m in re.finditer(r"\bdadjax((?:\.[a-z_]+)*)\.([A-Za-z_]\w*)\(", text):
+    module = importlib.import_module("dadjax" + m.group(1))
+    if m.group(2) not in module.__all__:
+      missing.add(f"dadjax{m.group(1)}.{m.group(2)}")
+  assert missing == set()
+
+
+def test_extend_states_its_stability_contract():
+  from dadjax import extend  # pylint: disable=g-import-not-at-top
+  assert "Stability" in extend.__doc__ and "minor version" in extend.__doc__

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 import dadjax
 from dadjax import compress as C
 from dadjax import dad
-from dadjax.comm import hlo_collectives, latency_messages
+from dadjax.comm import hlo_collectives
+from dadjax.comm._wire import latency_messages
 from dadjax.models import ResNet18
 from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
 
@@ -209,7 +210,7 @@ def test_dad_compiled_bytes_equal_ledger_and_model_charges_ops(kw, use_bias, dty
 def test_replicated_params_typing_collectives_are_booked(kw):
   """P() (invariant) parameters and state under check_vma: re-typing reductions are metered too."""
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from dadjax.comm import bits_to_int, tree_bits  # pylint: disable=g-import-not-at-top
+  from dadjax.extend import bits_to_int, tree_bits  # pylint: disable=g-import-not-at-top
   rows = 2
   model = _DadNet(kw, True)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(SITES * rows, 12)), jnp.float32)

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dadjax
 from dadjax import dad
-from dadjax.comm import Bits, bits_const, bits_to_int, tree_bits
+from dadjax.comm import Bits, bits_const, bits_to_int
+from dadjax.extend import tree_bits
 from dadjax.models import MLP, GRUClassifier, TransformerBlock
 from dadjax.parallel import softmax_cross_entropy
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import dadjax
 from dadjax import dataquant as DQ
 from dadjax.comm import bits_to_int, hlo_collectives
-from dadjax.compress import packed_words
+from dadjax.extend import packed_words
 from dadjax.models import MLP
 from dadjax.stage import GradResult, StageContext
 

@@ -10,7 +10,7 @@ import dadjax
 from dadjax import dataquant as DQ
 from dadjax import registry
 from dadjax.comm import bits_to_int
-from dadjax.compress import packed_words
+from dadjax.extend import packed_words
 from dadjax.config import Config
 from dadjax.models import MLP
 from dadjax.train import build, train

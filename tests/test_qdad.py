@@ -11,7 +11,7 @@ import pytest
 import dadjax
 from dadjax.comm import hlo_collectives
 from dadjax import dad
-from dadjax.compress import packed_words
+from dadjax.extend import packed_words
 from dadjax.dad._dense import DadConfig, dense, layer_bits
 from dadjax.dad._quantized import quantized_gather_bits
 from dadjax.models import MLP

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import dadjax
 from dadjax import extend
 from dadjax._core.shards import LeafShard, current_leaf, sharded_parameters
-from dadjax.comm import HierarchicalNetwork, NetworkModel, collective_ops
+from dadjax.comm import HierarchicalNetwork, NetworkModel
+from dadjax.comm._hlo import collective_ops
 from dadjax.methods import build_method
 from dadjax.models import MLP
 

@@ -34,7 +34,6 @@ References:
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -43,8 +42,9 @@ import optax
 
 from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
-from dadjax._core.vma import cond
-from dadjax._tree_utils import tree_add, tree_zeros_like
+from dadjax._core.validate import check_int
+from dadjax._core.accumulate import accumulate_step
+from dadjax._tree_utils import tree_zeros_like
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,
@@ -93,12 +93,6 @@ class AccordionBatchState(NamedTuple):
     return batch_row(self)
 
 
-def _check_steps(name, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-  return int(value)
-
-
 def accordion_batch(
     tx: optax.GradientTransformation,
     small: int = 1,
@@ -135,8 +129,8 @@ def accordion_batch(
   Raises:
     ValueError: for out-of-range hyperparameters.
   """
-  small = _check_steps("small", small)
-  large = _check_steps("large", large)
+  small = check_int("small", small)
+  large = check_int("large", large)
   if large < small:
     raise ValueError(f"large must be an int >= small={small}, got {large}")
   window, interval, eta = check_window(window, interval, eta)
@@ -166,32 +160,25 @@ def accordion_batch(
                                           eta=eta, axis_name=axis_name, whole_model=True)
     comm = ledger_record(state.comm, reduce=bits_from_count(exchanged, norm_bits(detector)),
                          reduce_calls=exchanged.astype(jnp.int32))
-    # Accumulation with a traced number of micro-steps ``state.k``: local sums,
-    # one call of the wrapped transformation (its collectives) per cycle. This is
-    # the seam for a shared ``accumulate(tx, every_k)`` with a traced ``every_k``:
-    # ``acc``/``pending``/``apply``/``wait`` below are all it has to provide.
-    acc = tree_add(state.acc, updates)
-    pending = state.pending + 1
+    # Accumulation with a traced number of micro-steps ``state.k``: local sums, one
+    # call of the wrapped transformation (its collectives) per cycle.
     seen = state.critical_seen | detector.critical[0]
     next_k = jnp.where(seen, small, large).astype(jnp.int32)
 
-    def apply(ops):
-      acc, inner, params, pending = ops
-      mean = jax.tree.map(lambda a: a / pending.astype(a.dtype), acc)
+    def apply(mean, inner):
       out, inner = inner_tx.update(mean, inner, params, **extra)
       if scale_lr:
         factor = state.k.astype(jnp.float32) / small
         out = jax.tree.map(lambda u: (u * factor).astype(u.dtype), out)
-      return (out, tree_zeros_like(acc), inner, jnp.zeros([], jnp.int32), next_k, state.k,
-              state.updates + 1, jnp.zeros([], bool))
+      return out, inner
 
-    def wait(ops):
-      acc, inner, _, pending = ops
-      return (tree_zeros_like(updates), acc, inner, pending, state.k, state.last_k,
-              state.updates, seen)
-
-    out, acc, inner, pending, k, last_k, count, seen = cond(
-        pending >= state.k, apply, wait, (acc, state.inner, params, pending))
+    step = accumulate_step(apply, updates, state.acc, state.pending, state.inner, state.k,
+                           refs=params)
+    out, acc, inner, pending, fired = step
+    k = jnp.where(fired, next_k, state.k)
+    last_k = jnp.where(fired, state.k, state.last_k)
+    count = state.updates + fired.astype(jnp.int32)
+    seen = seen & ~fired
     new_state = AccordionBatchState(state.micro + 1, pending, k, last_k, count, seen, acc,
                                     detector, inner, lr, comm)
     return out, new_state

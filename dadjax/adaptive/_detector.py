@@ -28,13 +28,13 @@ References:
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dadjax._core.critical import is_critical
+from dadjax._core.validate import check_int, is_real
 from dadjax._core.vma import cond
 from dadjax.comm import metered_pmean
 
@@ -67,13 +67,10 @@ class DetectorState(NamedTuple):
 
 def check_window(window, interval, eta) -> tuple[int, int, float]:
   """Validate the detector's hyperparameters (``ValueError`` naming the argument)."""
-  for name, value in (("window", window), ("interval", interval)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-  if (isinstance(eta, bool) or not isinstance(eta, numbers.Real)
-      or not 0 < eta < float("inf")):
+  window, interval = check_int("window", window), check_int("interval", interval)
+  if not is_real(eta) or not 0 < eta < float("inf"):
     raise ValueError(f"eta must be a finite number > 0, got {eta!r}")
-  return int(window), int(interval), float(eta)
+  return window, interval, float(eta)
 
 
 def detector_init(params: Any, *, whole_model: bool = False) -> DetectorState:

@@ -12,9 +12,11 @@
   optimizer step;
 * variance typing under ``shard_map`` and the shared collection names.
 
-Bit arithmetic, the metered collectives and the ledger's recording helpers
-are for writing new methods: their documented home is :mod:`dadjax.extend`,
-and they stay importable from here.
+Besides ``__all__`` this face carries the mechanics the method families
+build on (bit counts, the metered collectives, the sites' axis, the
+ledger's recording helpers and the collection names); people writing a
+method outside dadjax find them, with a stability promise, in
+:mod:`dadjax.extend`.
 """
 
 from dadjax._core.bits import (
@@ -23,37 +25,20 @@ from dadjax._core.bits import (
     bits_const,
     bits_from_count,
     bits_reduce,
-    bits_sum,
     bits_to_int,
     bits_zero,
     host_array,
-    tree_bits,
 )
-from dadjax.comm._collectives import AllReduceState, allreduce
-from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
+from dadjax._core.vma import is_varying, tree_to_varying
 from dadjax.comm._accumulate import AccumulateState, accumulate
+from dadjax.comm._collectives import AllReduceState, allreduce
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
-from dadjax.comm._report import Report, gradient_baseline, report
-from dadjax.comm._hlo import (CollectiveOp, CollectiveOps, collective_ops, compiled_collectives,
-                              hlo_collectives)
-from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
-from dadjax._core.vma import is_varying, to_varying, tree_to_varying, tree_vma, vma  # noqa: F401
-from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits, wire_factor
-from dadjax.comm._metered import (
-    NO_TRAFFIC,
-    Traffic,
-    metered_all_gather,
-    metered_gather_shards,
-    metered_mean_scatter,
-    metered_pmean,
-    metered_psum,
-    traffic_add,
-)
+from dadjax.comm._hlo import CollectiveOps, hlo_collectives
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,
-    IntraSiteStats,
     CommSummary,
+    IntraSiteStats,
     PeriodicStats,
     comm_stats,
     find_comm_stats,
@@ -64,6 +49,20 @@ from dadjax.comm._ledger import (
     periodic_record,
     tree_dense_bits,
 )
+from dadjax.comm._report import Report, gradient_baseline, report
+from dadjax.comm._metered import (
+    NO_TRAFFIC,
+    Traffic,
+    metered_all_gather,
+    metered_gather_shards,
+    metered_mean_scatter,
+    metered_pmean,
+    metered_psum,
+    traffic_add,
+)
+from dadjax.comm._sites import axis_size, site_index
+from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
+from dadjax.comm._wire import TOPOLOGIES, wire_bits
 
 __all__ = [
     "comm_stats",

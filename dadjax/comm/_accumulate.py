@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._core.vma import branch_matched_cond
+from dadjax._core.accumulate import accumulate_step
+from dadjax._core.validate import check_int
 
 
 class AccumulateState(NamedTuple):
@@ -70,9 +71,8 @@ def accumulate(tx: optax.GradientTransformation, every_k: int | jax.Array
   Raises:
     ValueError: if ``every_k`` is a Python number that is not an int >= 1.
   """
-  if isinstance(every_k, (bool, numbers.Number)) and (
-      isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral) or every_k < 1):
-    raise ValueError(f"every_k must be an int >= 1 (or a traced int), got {every_k!r}")
+  if isinstance(every_k, (bool, numbers.Number)):
+    every_k = check_int("every_k", every_k, 1)
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):
@@ -80,25 +80,9 @@ def accumulate(tx: optax.GradientTransformation, every_k: int | jax.Array
                            tx.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    k = jnp.asarray(every_k, jnp.int32)
-    acc = jax.tree.map(lambda a, u: a + u.astype(a.dtype), state.grads, updates)
-    fire = state.micro_step + 1 >= k
-
-    def step(operands):
-      acc, inner = operands
-      mean = jax.tree.map(lambda a, u: (a / k).astype(u.dtype), acc, updates)
-      out, inner = tx.update(mean, inner, params, **extra_args)
-      return out, jax.tree.map(jnp.zeros_like, acc), inner
-
-    def wait(operands):
-      acc, inner = operands
-      return jax.tree.map(jnp.zeros_like, updates), acc, inner
-
-    operands = (acc, state.inner)
-    # Both branches return the same types (under shard_map: each leaf varying along
-    # the union of the axes either branch makes it vary along).
-    out, acc, inner = branch_matched_cond(fire, step, wait, operands, updates, params)
-    micro = jnp.where(fire, 0, state.micro_step + 1)
-    return out, AccumulateState(micro, acc, inner)
+    step = accumulate_step(lambda mean, inner: tx.update(mean, inner, params, **extra_args),
+                           updates, state.grads, state.micro_step, state.inner, every_k,
+                           refs=params)
+    return step.updates, AccumulateState(step.pending, step.acc, step.inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

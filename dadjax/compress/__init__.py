@@ -6,30 +6,17 @@ Every compressor is also registered by name (``get_compressor("ef_topk:0.01")``,
 helpers for writing new compressors are in :mod:`dadjax.extend`.
 """
 
-from dadjax.compress._base import (
-    Compressor,
-    EmptyState,
-    Exchanged,
-    Keys,
-    Traffic,
-    as_keys,
-    exchange,
-    leaf_keys,
-    leafwise,
-    one_round_exchange,
-    step_keys,
-)
+from dadjax.compress._base import Compressor, EmptyState, Keys, exchange, leaf_keys, step_keys
 from dadjax.compress._cast import cast, identity
 from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
-from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
-from dadjax.compress._powersgd import PowerSGDPayload, PowerSGDState, orthogonalize, powersgd
-from dadjax.compress._quantize import QuantizedPayload, qsgd, scaled_sign, sign, terngrad
-from dadjax.compress._sparse import SparsePayload, randomk, topk
+from dadjax.compress._powersgd import PowerSGDState, powersgd
+from dadjax.compress._quantize import qsgd, scaled_sign, sign, terngrad
+from dadjax.compress._sparse import randomk, topk
 from dadjax.compress._transform import CompressedState, compressed
 from dadjax.registry import get_compressor
 
-# The extension helpers imported above (Keys, exchange, pack_bits, ...) stay
-# importable from here; their documented home is dadjax.extend.
+# Besides __all__, the face carries what other families build on: the step's
+# Keys (step_keys, leaf_keys) and exchange. dadjax.extend documents them.
 __all__ = [
     "Compressor",
     "EmptyState",

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dadjax._core.vma import branch_matched_cond as typed_cond
 from dadjax._tree_utils import check_axis_name
 from dadjax.comm import (AccumulateState, PeriodicStats, bits_add, bits_const, bits_zero,
                          find_comm_stats, metered_pmean, periodic_init, periodic_record,
                          tree_dense_bits)
 from dadjax.compress import Compressor, EmptyState, exchange, step_keys
-from dadjax.local._cond import typed_cond
 
 
 class LocalState(NamedTuple):

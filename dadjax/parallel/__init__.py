@@ -38,6 +38,8 @@ __all__ = [
     "local_gradients",
     "LocalGradients",
     "softmax_cross_entropy",
+    "classification_loss",
+    "regression_loss",
     "stack_sites",
     "unstack_site",
     "COMM_COLLECTION",
