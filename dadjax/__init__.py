@@ -44,8 +44,8 @@ __all__ = [
     # methods by name
     "build_method", "get_compressor", "SpecError",
     # factories and their states
-    "allreduce", "AllReduceState", "accumulate", "compressed", "CompressedState", "identity", "cast", "topk",
-    "randomk", "qsgd", "terngrad", "sign", "scaled_sign", "powersgd", "PowerSGDState",
+    "allreduce", "AllReduceState", "accumulate", "compressed", "CompressedState", "identity",
+    "cast", "topk", "randomk", "qsgd", "terngrad", "sign", "scaled_sign", "powersgd", "PowerSGDState",
     "error_feedback", "ErrorFeedbackState",
     # the ledger and the network model
     "comm_stats", "CommStats", "CommSummary", "NetworkModel",

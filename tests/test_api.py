@@ -297,7 +297,6 @@ def test_no_import_cycle_inside_a_package(package):
   assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-
 # -- faces: one home per public name ----------------------------------------------------
 
 # dadjax re-exports its packages' main names by design (the public face), and dadjax.extend

@@ -85,7 +85,6 @@ def _compressed(leaf) -> bool:
   return len(jnp.shape(leaf)) >= 2
 
 
-
 def accordion(
     low: Compressor,
     high: Compressor,

@@ -65,7 +65,6 @@ class IntraSiteStats(CommStats):
 BitsLike = Bits | int
 
 
-
 def ledger_init() -> CommStats:
   """An empty ledger."""
   z = bits_zero()

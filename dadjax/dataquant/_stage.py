@@ -103,7 +103,6 @@ class DataQuantState(NamedTuple):
   correction_active: jax.Array
 
 
-
 def _where_bits(active, b) -> Bits:
   b = as_bits(b)
   return Bits(jnp.where(active, b.hi, jnp.uint32(0)), jnp.where(active, b.lo, jnp.uint32(0)))
