@@ -180,7 +180,7 @@ def periodic_record(
   Returns:
     The updated :class:`PeriodicStats`.
   """
-  reduce, gather, dense = _as_bits(reduce), _as_bits(gather), _as_bits(dense)
+  reduce, gather, dense = as_bits(reduce), as_bits(gather), as_bits(dense)
   reduce_calls = jnp.asarray(reduce_calls, jnp.int32)
   gather_calls = jnp.asarray(gather_calls, jnp.int32)
   more = _bits_greater(bits_add(reduce, gather), bits_add(stats.peak_reduce, stats.peak_gather))

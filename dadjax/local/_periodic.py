@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dadjax._core.bits import as_bits
 from dadjax._core.vma import branch_matched_cond as typed_cond
 from dadjax._tree_utils import check_axis_name
 from dadjax.comm import (AccumulateState, PeriodicStats, bits_add, bits_const, bits_zero,
@@ -232,10 +233,6 @@ def _put_leaves(tree: Any, part: Any, plan_leaves: tuple[int, ...], p: int) -> A
                                       for x, f in zip(leaves, plan_leaves)])
 
 
-def _as_bits(x):
-  return x if not isinstance(x, int) else bits_const(x)
-
-
 def local_updates(
     inner: optax.GradientTransformation,
     every: int,
@@ -329,7 +326,7 @@ def local_updates(
         loc_p, anc_p, outer_state, codec_state, pend_p = ops
         delta = jax.tree.map(lambda a, l: a - l, anc_p, loc_p)
         mean, codec_state, t = communicate(delta, codec_state, state.count)
-        traffic = (_as_bits(t.reduce), _as_bits(t.gather), jnp.int32(t.reduce_calls),
+        traffic = (as_bits(t.reduce), as_bits(t.gather), jnp.int32(t.reduce_calls),
                    jnp.int32(t.gather_calls))
         if delay:
           pend_p = mean
