@@ -21,6 +21,14 @@ state, the wall time so far and the last logged metrics row).
 - **Verified restore.** Each checkpoint, newest first, must restore through
   orbax and match its stored checksums; a damaged one is reported, deleted
   and the next older one is tried.
+- **Only its own steps.** A step directory counts (is restored, kept in
+  rotation, deleted) only if it is a real directory, not a symbolic link,
+  and holds dadjax's ``meta`` record; anything else beside the checkpoints
+  (a folder ``2024/``, a link) is never read, rotated or deleted.
+- **Failed saves end the run.** A save that cannot be written (no space,
+  a read-only or vanished directory, a deleted or replaced lock) raises
+  :class:`~dadjax.errors.CheckpointError` naming the last intact step;
+  orbax's writer threads are stopped so the process can exit.
 
 Checksums are computed on the device by one jitted reduction per leaf
 (``sum(bits[i] * w[i]) mod 2**32`` with distinct odd weights ``w[i]``), so
@@ -31,17 +39,23 @@ for every sharding and process, and nothing is copied to the host.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
+import logging
 import os
 import pathlib
+import shutil
 import sys
+import threading
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import step as step_lib
 
 from dadjax.comm import host_array
 from dadjax.config import Config
@@ -56,9 +70,32 @@ FORMAT = 1
 # other field (including ones added later) is part of the fingerprint.
 FINGERPRINT_EXCLUDED = frozenset({
     "steps", "eval_every", "checkpoint_dir", "checkpoint_every", "out_dir", "data_dir",
-    "backend", "bandwidth", "latency", "topology", "intra_bandwidth", "intra_latency"})
+    "backend", "bandwidth", "latency", "topology", "intra_bandwidth", "intra_latency",
+    "checkpoint_on_signal", "signal_grace_s"})
 
 LOCK_FILE = "dadjax.lock"
+
+
+class _QuietFailedWriters(logging.Filter):
+  """Drop orbax's error logs (with tracebacks) of a failed background save.
+
+  Every such failure reaches the caller of :meth:`CheckpointDir.save` /
+  :meth:`CheckpointDir.close` as one :class:`~dadjax.errors.CheckpointError`.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR
+                and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
+
+
+logging.getLogger("absl").addFilter(_QuietFailedWriters())
+
+
+class _DroppedWrites(logging.Filter):
+  """After a failed save: drop asyncio's note of the failed writers' futures left unread."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
 
 
 def _say(message: str) -> None:
@@ -155,6 +192,36 @@ class Restored:
   meta: dict
 
 
+class _OwnSteps(step_lib._StandardNameFormat):  # pylint: disable=protected-access
+  """orbax's standard step names (``DIR/<step>``), counting only dadjax's own steps.
+
+  A step directory is one of this run's kind if it is a real directory (not
+  a symbolic link) holding the ``meta`` item; orbax then never lists,
+  restores, rotates out or deletes anything else in the directory.
+  """
+
+  def _build_metadata(self, step_path, step=None):
+    metadata = super()._build_metadata(step_path, step)
+    if metadata is None or not _is_own_step(pathlib.Path(str(step_path))):
+      return None
+    return metadata
+
+
+def _is_own_step(path: pathlib.Path) -> bool:
+  return (not path.is_symlink() and path.is_dir() and not (path / "meta").is_symlink()
+          and (path / "meta").is_dir())
+
+
+def _foreign_steps(directory: pathlib.Path) -> list[str]:
+  """Names of step-like entries (``DIR/<int>``) that are not dadjax's own steps."""
+  try:
+    entries = list(directory.iterdir())
+  except OSError:
+    return []
+  return sorted((p.name for p in entries if p.name.isdigit() and not _is_own_step(p)),
+                key=int)
+
+
 class CheckpointDir:
   """A locked, fingerprinted, verified checkpoint directory for one run.
 
@@ -184,6 +251,8 @@ class CheckpointDir:
     self.fingerprint = fingerprint(config)
     self._say = say
     self._lock_fd = None
+    self._lock_id = None
+    self._saving = None
     self._manager = None
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
@@ -195,7 +264,8 @@ class CheckpointDir:
     try:
       self._manager = ocp.CheckpointManager(
           self.directory, options=ocp.CheckpointManagerOptions(
-              max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True))
+              max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
+              step_name_format=_OwnSteps()))
       if restart and self._manager.all_steps():
         steps = sorted(self._manager.all_steps())
         for step in steps:
@@ -218,23 +288,78 @@ class CheckpointDir:
       raise CheckpointError(
           f"checkpoint_dir {str(self.directory)!r} is in use by pid {holder}; wait for that run "
           "to finish, stop it, or use another checkpoint_dir") from None
+    previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    if previous.isdigit() and int(previous) != os.getpid() and not _alive(int(previous)):
+      self._say(f"taking over the lock of {self.directory} from pid {previous}, which is no "
+                "longer running (a run that was killed)")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     self._lock_fd = fd
+    self._lock_id = _file_id(os.fstat(fd))
+
+  def check_lock(self) -> None:
+    """Raise CheckpointError if the lock file was deleted or replaced (or the directory).
+
+    Another run could then lock the directory and mix its checkpoints with
+    this run's; the run stops instead.
+    """
+    message = self._lock_lost()
+    if message:
+      raise CheckpointError(f"{message}; {self._kept_text()}")
+
+  def _lock_lost(self) -> str | None:
+    if self._lock_fd is None:
+      return None
+    path = self.directory / LOCK_FILE
+    try:
+      if _file_id(os.stat(path)) == self._lock_id:
+        return None
+    except OSError:
+      pass
+    return (f"the lock {str(path)!r} of this run was deleted or replaced (was checkpoint_dir "
+            "deleted or moved?); stopping so that no other run shares the directory")
 
   def close(self) -> None:
-    """Wait for pending writes, close orbax and release the lock."""
+    """Wait for pending writes, close orbax and release the lock.
+
+    Raises:
+      CheckpointError: a write still in flight failed (see :meth:`save`).
+    """
     try:
       if self._manager is not None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-        self._manager = None
+        manager, self._manager = self._manager, None
+        try:
+          manager.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+          self._failed(e, manager)
+        manager.close()
     finally:
       if self._lock_fd is not None:
         os.ftruncate(self._lock_fd, 0)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)
         self._lock_fd = None
+
+  def _failed(self, error: BaseException, manager) -> None:
+    """A save failed: stop orbax's writers, remove the half-written step, raise CheckpointError."""
+    stop_writer_threads()
+    try:
+      manager.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    step = self._saving
+    for tmp in (self.directory.glob(f"{step}.orbax-checkpoint-tmp*") if step is not None else ()):
+      if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = str(self.directory)
+    lost = self._lock_lost()
+    if lost:
+      what = f"{lost}; checkpoint step {step} could not be written ({_first_line(error)})"
+    elif _is_enospc(error):
+      what = f"no space left on device writing {where} ({_first_line(error)})"
+    else:
+      what = f"checkpoint step {step} could not be written in {where} ({_first_line(error)})"
+    raise CheckpointError(f"{what}; {self._kept_text()}") from error
 
   def __enter__(self) -> "CheckpointDir":
     return self
@@ -248,6 +373,33 @@ class CheckpointDir:
     """The newest finalized step in the directory (``None``: none)."""
     return self._manager.latest_step()
 
+  def finished_step(self) -> int | None:
+    """The newest step directory on disk with dadjax's record (``None``: none).
+
+    Reads the directory listing only (safe from a signal handler or another
+    thread, while orbax writes).
+    """
+    try:
+      steps = [int(p.name) for p in self.directory.iterdir()
+               if p.name.isdigit() and _is_own_step(p)]
+    except OSError:
+      return None
+    return max(steps, default=None)
+
+  def settled_step(self) -> int | None:
+    """:meth:`finished_step` after the writes in flight are done (for an error message)."""
+    if self._manager is not None:
+      try:
+        self._manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except  (the next save or close reports it)
+        pass
+    return self.finished_step()
+
+  def _kept_text(self) -> str:
+    kept = self.finished_step()
+    return (f"the last checkpoint, step {kept}, is intact" if kept is not None
+            else "no checkpoint was finished")
+
   def save(self, step: int, state: Any, **meta: Any) -> None:
     """Save ``state`` as ``step`` if every floating leaf is finite.
 
@@ -260,6 +412,11 @@ class CheckpointDir:
       DivergenceError: a leaf of ``state`` holds a NaN or an infinity;
         nothing is written and the message names the leaf and the kept
         checkpoint.
+      CheckpointError: the lock was deleted or replaced, or this save or
+        the previous one (written in the background) failed: no space left,
+        a read-only or vanished directory. The half-written step is removed,
+        orbax's writer threads are stopped, and the message names the last
+        intact step; the directory can no longer be used by this object.
     """
     checksums, nonfinite = state_digest(state)
     if nonfinite:
@@ -272,8 +429,14 @@ class CheckpointDir:
              if kept is not None else "it was not checkpointed; no checkpoint was written"))
     record = {"format": FORMAT, "step": step, "fingerprint": self.fingerprint,
               "checksums": checksums, **meta}
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+    self.check_lock()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+    except Exception as e:  # pylint: disable=broad-except  (also the previous save's error)
+      manager, self._manager = self._manager, None
+      self._failed(e, manager)
+    self._saving = step
 
   # -- restore ---------------------------------------------------------------
 
@@ -331,6 +494,16 @@ class CheckpointDir:
         (the message names the fields), or none of the checkpoints is intact.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
+    foreign = _foreign_steps(self.directory)
+    if foreign and not steps:
+      reasons = "; ".join(f"step {name}: it has no dadjax record (an older format, or not "
+                          "written by dadjax)" for name in foreign)
+      raise CheckpointError(
+          f"no intact checkpoint in checkpoint_dir {str(self.directory)!r} ({reasons}). "
+          "Use a new checkpoint_dir, or move them away: dadjax deletes only its own checkpoints")
+    if foreign:
+      self._say(f"{', '.join(foreign)} in {self.directory}: not dadjax checkpoints (no dadjax "
+                "record, or a link); left untouched")
     damaged: list[tuple[int, str]] = []
     for step in steps:
       try:
@@ -354,6 +527,56 @@ class CheckpointDir:
 
 class _Damaged(Exception):
   pass
+
+
+def _is_enospc(error: BaseException) -> bool:
+  while error is not None:
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def stop_writer_threads(timeout_s: float = 5.0) -> list[str]:
+  """Cancel orbax's background writer threads that wait for a failed save.
+
+  orbax runs each part of an asynchronous save in a (non-daemon) thread that
+  waits for a signal from the part before it; when that part fails, the
+  others would wait for their timeout and keep the process from exiting.
+  Each is cancelled and woken.
+
+  Returns:
+    The names of the threads still alive after ``timeout_s``.
+  """
+  from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+  threads = [t for t in threading.enumerate()
+             if isinstance(t, future._SignalingThread) and t.is_alive()]  # pylint: disable=protected-access
+  for t in threads:
+    try:
+      t._cancelled = True  # pylint: disable=protected-access  (cancel() needs a live loop)
+      future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except
+      pass
+  for t in threads:
+    threading.Thread.join(t, timeout_s / max(1, len(threads)))  # orbax's join re-raises
+  # The cancelled writers' coroutines and futures are dropped unawaited; that is intended.
+  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+  logging.getLogger("asyncio").addFilter(_DroppedWrites())
+  return [t.name for t in threads if t.is_alive()]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+  return st.st_dev, st.st_ino
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from dadjax.errors import DadjaxError
+from dadjax.errors import DadjaxError, Stopped
 
 DEFAULT_DEVICES = 8
 
@@ -98,11 +98,12 @@ def _train(args: argparse.Namespace) -> int:
   config = load_config(args.config, args.overrides)
   # Read the config first: shard_map over num_sites sites needs that many devices.
   _simulate_devices(max(DEFAULT_DEVICES, config.num_sites * config.per_site))
+  from dadjax._io import json_row  # pylint: disable=g-import-not-at-top
   from dadjax.train import train  # pylint: disable=g-import-not-at-top
   run = train(config, progress=not args.no_progress, restart=args.restart,
-              log=lambda row: print(json.dumps(row), flush=True))
+              log=lambda row: print(json_row(row), flush=True))
   if run.history:
-    print(json.dumps(run.final))
+    print(json_row(run.final))
   return 0
 
 
@@ -116,9 +117,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-  """Run a parsed command; the library's own errors become one line and exit code 2."""
+  """Run a parsed command; the library's own errors become one line and exit code 2.
+
+  A run stopped by SIGTERM / SIGINT (its step saved) prints ``dadjax: stopped
+  by SIGTERM at step N; ...`` and exits with ``128 + signal`` (143 / 130).
+  """
   try:
     return args.handler(args)
+  except Stopped as e:  # a signal: the step was saved (see dadjax/_signals.py)
+    print(f"dadjax: {e}", file=sys.stderr, flush=True)
+    return e.exit_code
   except DadjaxError as e:
     if args.debug:
       traceback.print_exc()

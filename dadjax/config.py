@@ -65,6 +65,10 @@ class Config:
     checkpoint_dir: orbax checkpoint directory (``None``: no checkpoints).
     checkpoint_every: save every this many steps.
     out_dir: where ``metrics.jsonl`` goes (``None``: nowhere).
+    checkpoint_on_signal: on SIGTERM / SIGINT, finish the current step, save
+      it and stop (exit code 143 / 130). ``False``: the signals act as usual.
+    signal_grace_s: the longest such a stop may take (seconds, default 60);
+      then the process ends at once, keeping the last finished checkpoint.
     bandwidth, latency, topology: network model for modeled comm time
       (the links between sites).
     intra_bandwidth, intra_latency: the links inside a site (``per_site >
@@ -94,6 +98,8 @@ class Config:
   checkpoint_dir: str | None = None
   checkpoint_every: int = 100
   out_dir: str | None = None
+  checkpoint_on_signal: bool = True
+  signal_grace_s: float = 60.0
   bandwidth: float = 1e9
   latency: float = 50e-6
   topology: str = "ring"
@@ -119,6 +125,7 @@ class Config:
     _check_range("momentum", self.momentum, low=0.0, high=1.0, low_open=False, high_open=True)
     parse_lr_schedule(self.lr_schedule)
     _check_range("alpha", self.alpha, low=0.0)
+    _check_range("signal_grace_s", self.signal_grace_s, low=0.0)
     _check_range("bandwidth", self.bandwidth, low=0.0)
     _check_range("latency", self.latency, low=0.0, low_open=False)
     _check_range("intra_bandwidth", self.intra_bandwidth, low=0.0)

@@ -8,7 +8,8 @@ code 2 (``--debug`` shows the traceback instead).
 
 from __future__ import annotations
 
-__all__ = ["DadjaxError", "ConfigError", "CheckpointError", "DivergenceError"]
+__all__ = ["DadjaxError", "ConfigError", "CheckpointError", "DataError", "DivergenceError",
+           "Stopped"]
 
 
 class DadjaxError(ValueError):
@@ -32,3 +33,31 @@ class DivergenceError(DadjaxError, FloatingPointError):
   Raised before anything non-finite is logged or checkpointed; the message
   says which checkpoint (if any) is kept. Also a ``FloatingPointError``.
   """
+
+
+class DataError(DadjaxError):
+  """A data set that cannot be trained on: non-finite features, labels
+  outside ``[0, num_classes)`` or not integers, an empty split, or inputs
+  and labels of different lengths. Raised before the first step; the message
+  names the split, the number of bad rows and the first one."""
+
+
+class Stopped(DadjaxError):
+  """The run stopped on a signal (SIGTERM, SIGINT) after finishing a step.
+
+  Attributes:
+    signal_name: ``"SIGTERM"`` or ``"SIGINT"``.
+    step: the step the run stopped at.
+    checkpoint_step: the step of the newest checkpoint (``step`` itself when
+      it was saved on the signal), or ``None``.
+    exit_code: ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), what the
+      ``dadjax`` command exits with.
+  """
+
+  def __init__(self, message: str, *, signal_name: str, step: int,
+               checkpoint_step: int | None, exit_code: int):
+    super().__init__(message)
+    self.signal_name = signal_name
+    self.step = step
+    self.checkpoint_step = checkpoint_step
+    self.exit_code = exit_code

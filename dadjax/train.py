@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import pathlib
 import sys
 import time
@@ -22,13 +21,15 @@ import optax
 from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
-from dadjax import models
+from dadjax import _signals, models
+from dadjax._datacheck import check_dataset
+from dadjax._io import MetricsFile
 from dadjax.comm import (HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array,
                          report)
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax.config import Config, parse_lr_schedule, validate
 from dadjax.dad import accordion_rows
-from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError
+from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError, Stopped
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_mesh, make_train_step
 
@@ -133,6 +134,7 @@ def build(config: Config):
   if config.data_dir:
     dataset_kwargs["data_dir"] = config.data_dir
   dataset = data_lib.load(config.dataset, **dataset_kwargs)
+  check_dataset(dataset)  # bad data is a DataError, before any step
   groups = getattr(dataset, "groups", None)  # e.g. the file of each text window
   parts = data_lib.partition(dataset.y_train if groups is None else groups, config.num_sites,
                              scheme=config.partition,
@@ -189,9 +191,21 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
     DivergenceError: a non-finite loss or state (never logged or saved).
   """
   validate(config)
+  stores: list = []  # the open checkpoint directory, for the message of an immediate stop
+  with _signals.StopOnSignal(
+      config.signal_grace_s, enabled=config.checkpoint_on_signal,
+      multi_process=jax.process_count() > 1,
+      last_checkpoint=lambda: stores[0].finished_step() if stores else None) as stop:
+    return _train(config, progress, log, restart, stop, stores)
+
+
+def _train(config: Config, progress: bool, log, restart: bool, stop, stores: list) -> Run:
+  """:func:`train` with its signal handlers installed (``stop``)."""
   try:
     dataset, _, batcher, step_fn = build(config)
     state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
+  except DadjaxError:
+    raise
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(f"cannot build the run from the config: {e}") from e
   except ZeroDivisionError as e:  # an initializer saw a layer with no inputs
@@ -200,6 +214,8 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
         f"{config.model_kwargs} has a layer with no inputs for input shape "
         f"{dataset.x_train.shape[1:]} ({e})") from e
   store, state, wall0, last_row = _resume(config, state, restart)
+  if store is not None:
+    stores.append(store)
   if store is not None and int(host_array(state.step)[0]) == config.steps:
     store.close()
     print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
@@ -214,7 +230,8 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
     try:
       pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
       truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
-      out_file = open(pathlib.Path(config.out_dir) / "metrics.jsonl", "a")
+      out_file = MetricsFile(config.out_dir,
+                             kept=lambda: store.settled_step() if store is not None else None)
     except OSError as e:
       if store is not None:
         store.close()  # release the checkpoint lock: nothing ran
@@ -244,18 +261,37 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
         last_row = row
         bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
         if out_file:
-          out_file.write(json.dumps(row) + "\n")
-          out_file.flush()
+          out_file.write(row)  # strict JSON; a vanished out_dir or a full disk stops the run
         if log:
           log(row)
       if save_now:
         store.save(done, state, wall_s=wall0 + time.perf_counter() - t0, row=last_row)
+      if done < config.steps and stop.stop_at(done):
+        _stop_on_signal(config, store, stop, state, metrics, done, saved=save_now,
+                        wall_s=wall0 + time.perf_counter() - t0, row=last_row)
   finally:
     if store is not None:
       store.close()
     if out_file:
       out_file.close()
   return Run(config, state, step_fn, history, dataset, batcher.steps_per_epoch)
+
+
+def _stop_on_signal(config: Config, store, stop, state, metrics, step: int, *, saved: bool,
+                    wall_s: float, row) -> None:
+  """Save ``step`` (unless just saved), wait for the writes, release the lock, raise Stopped."""
+  if store is not None:
+    if not saved:
+      _check_finite(metrics, step, config, store)
+      store.save(step, state, wall_s=wall_s, row=row)
+    store.close()  # waits for every write (also an earlier one still in flight)
+    what = (f"checkpoint {step} saved in {store.directory}; rerun the same command to resume")
+    kept = step
+  else:
+    what = "no checkpoint_dir is set, so nothing was saved"
+    kept = None
+  raise Stopped(f"stopped by {stop.name} at step {step}; {what}", signal_name=stop.name,
+                step=step, checkpoint_step=kept, exit_code=_signals.exit_code(stop.signum))
 
 
 def _resume(config: Config, state, restart: bool):

@@ -475,3 +475,355 @@ def test_run_final_without_a_logged_row_is_a_clear_error():
   empty = dataclasses.replace(run, history=[])  # e.g. a rerun that logged nothing
   with pytest.raises(DadjaxError, match="no metrics row was logged by this run"):
     empty.final  # pylint: disable=pointless-statement
+
+
+# -- signals, full disks, vanishing directories (issue: runs that survive clusters) ---------
+
+# The command line in a child process; a hook runs as each metrics row is formatted
+# (before it is written): "slow" sleeps per row (time to deliver a signal between
+# steps), "fill:N:DIR" fills the file system of DIR before row N, "chmod:N:DIR" makes
+# DIR read-only before row N.
+CLI_WORKER = r"""
+import os, sys, time
+import dadjax._io as io
+hooks = [h.split(":", 2) for h in sys.argv[1].split(",") if h]
+format_row = io.json_row
+done = set()
+def hooked(row):
+  for hook in hooks:
+    if hook[0] == "slow":
+      time.sleep(float(hook[1]))
+    elif int(hook[1]) == row["step"] and tuple(hook) not in done:
+      done.add(tuple(hook))
+      import glob  # first let the checkpoint writes in flight finish
+      while glob.glob(os.path.join(hook[2], "**", "*orbax-checkpoint-tmp*"), recursive=True):
+        time.sleep(0.01)
+      if hook[0] == "fill":
+        with open(os.path.join(hook[2], "filler"), "ab", buffering=0) as f:
+          for size in (65536, 1):
+            try:
+              while True:
+                f.write(b"x" * size)
+            except OSError:
+              pass
+      elif hook[0] == "chmod":
+        os.chmod(hook[2], 0o555)
+  return format_row(row)
+io.json_row = hooked
+from dadjax import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+RUN_ARGS = ["train", "--no-progress", "num_sites=4", "backend=vmap", "batch_per_site=8",
+            'model_kwargs={"hidden": [16]}']
+NO_CAPS = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+           "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def _cli_worker(hooks, args, *, prefix=(), **kw):
+  return subprocess.Popen([*prefix, sys.executable, "-c", CLI_WORKER, ",".join(hooks), *RUN_ARGS,
+                           *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **kw)
+
+
+def _config_of(args) -> Config:
+  return load_config(None, [a for a in RUN_ARGS + args if "=" in a])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_between_checkpoints_saves_that_step_and_resumes_identically(tmp_path, capsys,
+                                                                               signum):
+  ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+  args = ["steps=40", "eval_every=1", "checkpoint_every=20", f"checkpoint_dir={ckpt}",
+          f"out_dir={out}"]
+  at = np.random.default_rng(int(signum)).integers(3, 12)  # between the checkpoints 0 and 20
+  proc = _cli_worker(["slow:0.05"], args)
+  try:
+    for line in proc.stdout:
+      if json.loads(line)["step"] == at:
+        proc.send_signal(signum)
+        break
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  name = signal.Signals(signum).name
+  assert proc.returncode == 128 + signum  # 143 / 130
+  last = err.strip().splitlines()[-1]
+  found = re.fullmatch(rf"dadjax: stopped by {name} at step (\d+); checkpoint (\d+) saved in "
+                       rf"{re.escape(str(ckpt))}; rerun the same command to resume", last)
+  assert found, err[-2000:]
+  stopped = int(found[1])
+  assert found[2] == found[1] and at <= stopped < 20 and _steps(ckpt) == [stopped]
+  assert (ckpt / "dadjax.lock").read_text() == ""  # released
+  run = train(_config_of(args), progress=False)  # the rerun resumes from that step
+  assert f"resuming from checkpoint step {stopped} in" in capsys.readouterr().err
+  reference = train(_config_of(args).replace(checkpoint_dir=None, out_dir=None), progress=False)
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, 41))
+
+
+def test_second_signal_stops_at_once(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  args = ["steps=40", "eval_every=1", "checkpoint_every=4", f"checkpoint_dir={ckpt}"]
+  proc = _cli_worker(["slow:0.2"], args)
+  try:
+    for line in proc.stdout:
+      if json.loads(line)["step"] == 6:
+        proc.send_signal(signal.SIGTERM)
+        break
+    for line in proc.stderr:  # the first one was handled: the run is finishing its step
+      if "SIGTERM received" in line:
+        proc.send_signal(signal.SIGTERM)
+        break
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 143
+  assert "dadjax: second SIGTERM: stopping at once, without a new checkpoint; the last " \
+         "checkpoint, step 4, is intact" in err, err[-2000:]
+  assert _steps(ckpt) == [4]
+
+
+def test_grace_time_bounds_the_stop(tmp_path):
+  args = ["steps=40", "eval_every=1", "checkpoint_every=4", "signal_grace_s=0.05",
+          f"checkpoint_dir={tmp_path / 'ckpt'}"]
+  proc = _cli_worker(["slow:0.3"], args)
+  try:
+    for line in proc.stdout:
+      if json.loads(line)["step"] == 5:
+        proc.send_signal(signal.SIGTERM)
+        break
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 143
+  assert ("dadjax: the stop after SIGTERM took longer than signal_grace_s=0.05, without a new "
+          "checkpoint; the last checkpoint, step 4, is intact") in err, err[-2000:]
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  pid = int(dead.stdout)
+  (ckpt / "dadjax.lock").write_text(f"{pid}\n")  # what a killed run leaves behind
+  train(Config(**{**SMALL, "steps": 2}, checkpoint_dir=str(ckpt)), progress=False)
+  assert (f"dadjax: taking over the lock of {ckpt} from pid {pid}, which is no longer running"
+          in capsys.readouterr().err)
+
+
+def test_signal_with_checkpoint_on_signal_false_acts_as_usual(tmp_path):
+  proc = _cli_worker(["slow:0.05"], ["steps=40", "eval_every=1", "checkpoint_on_signal=false",
+                                     f"checkpoint_dir={tmp_path / 'ckpt'}"])
+  try:
+    for line in proc.stdout:
+      if json.loads(line)["step"] == 3:
+        proc.send_signal(signal.SIGTERM)
+        break
+    proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == -signal.SIGTERM
+
+
+# -- bad data --------------------------------------------------------------------------------
+
+
+def _digits_with(monkeypatch, **changes):
+  from dadjax import data as data_lib  # pylint: disable=g-import-not-at-top
+  clean = data_lib.load("digits")
+  changed = clean._replace(**{k: (v(clean) if callable(v) else v) for k, v in changes.items()})
+  monkeypatch.setattr(data_lib, "load", lambda *a, **k: changed)
+  return changed
+
+
+def _set(array, index, value, dtype=None):
+  array = np.array(array, dtype=dtype or np.asarray(array).dtype)
+  array[index] = value
+  return array
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"y_train": lambda d: _set(d.y_train, [5, 9], -1)},
+     "data set 'digits', train split: 2 of 1437 labels are outside [0, 10) (num_classes=10); "
+     "the first is row 5: -1"),
+    ({"y_test": lambda d: _set(d.y_test, 7, 10)},
+     "data set 'digits', test split: 1 of 360 labels are outside [0, 10) (num_classes=10); "
+     "the first is row 7: 10"),
+    ({"num_classes": 5}, "data set 'digits', train split: "),
+    ({"x_train": lambda d: _set(d.x_train, (3, 0, 1, 0), np.nan)},
+     "data set 'digits', train split: 1 of 1437 rows hold non-finite features (NaN or inf); "
+     "the first is row 3"),
+    ({"x_test": lambda d: _set(d.x_test, (11, 2, 2, 0), np.inf)},
+     "data set 'digits', test split: 1 of 360 rows hold non-finite features (NaN or inf); "
+     "the first is row 11"),
+    ({"y_train": lambda d: d.y_train.astype(np.float32)},
+     "data set 'digits', train split: labels must be integers (class ids) for a classification "
+     "loss, got dtype float32"),
+    ({"x_test": lambda d: d.x_test[:0], "y_test": lambda d: d.y_test[:0]},
+     "data set 'digits', test split: it is empty (0 inputs, 0 labels)"),
+    ({"y_train": lambda d: d.y_train[:-3]},
+     "data set 'digits', train split: 1437 inputs but 1434 labels"),
+], ids=["label_-1", "label_10", "num_classes_5", "nan_feature", "inf_test_feature",
+        "float_labels", "empty_test", "length_mismatch"])
+def test_bad_data_is_a_data_error_before_any_step(monkeypatch, changes, message):
+  from dadjax.errors import DataError  # pylint: disable=g-import-not-at-top
+  _digits_with(monkeypatch, **changes)
+  calls = []
+  monkeypatch.setattr("dadjax.train.make_train_step",
+                      lambda *a, **k: calls.append(1))  # never reached
+  with pytest.raises(DataError) as info:
+    train(Config(**SMALL), progress=False)
+  assert message in str(info.value) and calls == []
+  if "num_classes" in changes:
+    assert "labels are outside [0, 5) (num_classes=5)" in str(info.value)
+
+
+def test_metrics_stay_strict_json_when_the_test_loss_is_nan(tmp_path, monkeypatch):
+  # finite but huge test inputs: the forward pass overflows, the test loss is not finite
+  _digits_with(monkeypatch, x_test=lambda d: (d.x_test * 3e38).astype(np.float32))
+  run = train(Config(**SMALL, out_dir=str(tmp_path)), progress=False)
+  assert not np.isfinite(run.final["test_loss"])
+
+  def refuse(name):
+    raise ValueError(f"not JSON: {name}")
+
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  rows = [json.loads(line, parse_constant=refuse) for line in lines]
+  assert len(rows) == 3 and all(r["test_loss"] is None and "test_loss" in r["nonfinite"]
+                                for r in rows)
+  assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+# -- full disks and vanishing directories ----------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 4 MB tmpfs (mounted by the test, unmounted after), or a skip with the reason."""
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                        capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    pytest.skip(f"cannot mount a small tmpfs ({proc.stderr.strip() or proc.returncode})")
+  try:
+    yield mnt
+  finally:
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _check_no_space(proc, target):
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 2, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  found = re.fullmatch(rf"dadjax: error: no space left on device writing {re.escape(target)} "
+                       r"\(.*No space left on device\); the last checkpoint, step (\d+), is intact",
+                       last)
+  assert found, err[-3000:]
+  assert "Traceback" not in err
+  return int(found[1])
+
+
+def test_no_space_left_during_a_checkpoint(small_disk, tmp_path, capsys):
+  ckpt, out = small_disk / "ckpt", tmp_path / "out"
+  args = ["steps=8", "eval_every=2", "checkpoint_every=2", f"checkpoint_dir={ckpt}",
+          f"out_dir={out}"]
+  kept = _check_no_space(_cli_worker([f"fill:4:{small_disk}"], args), str(ckpt))
+  assert kept == 2 and _steps(ckpt) == [2]
+  assert not [p for p in ckpt.iterdir() if "tmp" in p.name]  # the half-written step is removed
+  os.remove(small_disk / "filler")  # space freed: the rerun resumes from step 2
+  run = train(_config_of(args), progress=False)
+  assert "resuming from checkpoint step 2 in" in capsys.readouterr().err
+  reference = train(_config_of(args).replace(checkpoint_dir=None, out_dir=None), progress=False)
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [2, 4, 6, 8]
+
+
+def test_no_space_left_during_a_metrics_write(small_disk, tmp_path, capsys):
+  ckpt, out = tmp_path / "ckpt", small_disk / "out"
+  args = ["steps=30", "eval_every=1", "checkpoint_every=2", f"checkpoint_dir={ckpt}",
+          f"out_dir={out}"]
+  # the disk is full from row 3 on; the file grows into a new page within a few rows
+  kept = _check_no_space(_cli_worker([f"fill:3:{small_disk}"], args),
+                         str(out / "metrics.jsonl"))
+  lines = (out / "metrics.jsonl").read_text().splitlines()
+  steps = [json.loads(line)["step"] for line in lines]  # every line whole
+  assert steps == list(range(1, len(steps) + 1)) and kept <= len(steps) < 30
+  os.remove(small_disk / "filler")
+  run = train(_config_of(args), progress=False)
+  assert f"resuming from checkpoint step {kept} in" in capsys.readouterr().err
+  reference = train(_config_of(args).replace(checkpoint_dir=None, out_dir=None), progress=False)
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, 31))
+
+
+def test_read_only_checkpoint_dir_ends_the_process_with_one_line(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  prefix = ()
+  if os.geteuid() == 0:  # root writes anywhere: drop that privilege in the child
+    if not shutil.which("setpriv"):
+      pytest.skip("running as root without setpriv: a read-only directory cannot be simulated")
+    prefix = NO_CAPS
+  args = ["steps=8", "eval_every=2", "checkpoint_every=2", f"checkpoint_dir={ckpt}"]
+  proc = _cli_worker([f"chmod:4:{ckpt}"], args, prefix=prefix)
+  try:
+    _, err = proc.communicate(timeout=60)  # never hangs in orbax's writer threads
+  finally:
+    proc.kill()
+    os.chmod(ckpt, 0o755)
+  assert proc.returncode == 2, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  assert re.fullmatch(rf"dadjax: error: checkpoint step 4 could not be written in "
+                      rf"{re.escape(str(ckpt))} \(PermissionError: .*\); the last checkpoint, "
+                      rf"step 2, is intact", last), last
+  assert "Traceback" not in err and _steps(ckpt) == [2]
+
+
+def _break_at(step, action):
+  def log(row):
+    if row["step"] == step:
+      action()
+  return log
+
+
+@pytest.mark.parametrize("action,message", [
+    (lambda d: shutil.rmtree(d / "out"), "out_dir '{d}/out' was deleted or replaced while the "
+                                         "run wrote to it"),
+    (lambda d: (os.remove(d / "out" / "metrics.jsonl"), (d / "out" / "metrics.jsonl").mkdir()),
+     "'{d}/out/metrics.jsonl' was deleted or replaced while the run wrote to it"),
+    (lambda d: shutil.rmtree(d / "ckpt"), "the lock '{d}/ckpt/dadjax.lock' of this run was "
+                                          "deleted or replaced"),
+    (lambda d: os.remove(d / "ckpt" / "dadjax.lock"), "the lock '{d}/ckpt/dadjax.lock' of this "
+                                                      "run was deleted or replaced"),
+], ids=["out_dir_deleted", "metrics_replaced_by_a_dir", "checkpoint_dir_deleted",
+        "lock_deleted"])
+def test_vanishing_directories_stop_the_run(tmp_path, action, message):
+  config = Config(**{**SMALL, "eval_every": 1, "checkpoint_every": 3},
+                  checkpoint_dir=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "out"))
+  with pytest.raises(DadjaxError, match=re.escape(message.format(d=tmp_path))):
+    train(config, progress=False, log=_break_at(4, lambda: action(tmp_path)))
+
+
+def test_foreign_folders_and_links_beside_checkpoints_are_untouched(tmp_path, reference, capsys):
+  ckpt = _first_two_checkpoints(tmp_path)
+  (ckpt / "2024").mkdir()
+  (ckpt / "2024" / "notes.txt").write_text("mine")
+  outside = tmp_path / "outside"
+  shutil.copytree(ckpt / "2", outside)  # a real checkpoint, reached through a link
+  os.symlink(outside, ckpt / "9")
+  capsys.readouterr()
+  run, err = _resume(ckpt, capsys)
+  assert "resuming from checkpoint step 4 in" in err
+  assert f"2024, 9 in {ckpt}: not dadjax checkpoints (no dadjax record, or a link); left " \
+         "untouched" in err
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+  assert _steps(ckpt) == [4, 6, 9, 2024]  # 9: the link; steps rotate among dadjax's own only
+  assert (ckpt / "2024" / "notes.txt").read_text() == "mine" and (outside / "meta").is_dir()
+  train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False, restart=True)
+  assert (ckpt / "2024" / "notes.txt").exists() and (ckpt / "9").is_symlink()
+  assert (outside / "state").is_dir()

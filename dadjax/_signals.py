@@ -1,0 +1,129 @@
+"""Stopping a run on SIGTERM / SIGINT at a step boundary, with a checkpoint.
+
+Schedulers end jobs with SIGTERM (SLURM, Kubernetes, cloud and TPU
+preemption) and then, after a grace period, SIGKILL; a user presses Ctrl-C
+(SIGINT). :class:`StopOnSignal` turns the first of these signals into a
+request the training loop sees after the current step: it saves that step,
+waits for the checkpoint writes, releases the lock and raises
+:class:`dadjax.errors.Stopped` (exit code ``128 + signal``: 143 for SIGTERM,
+130 for SIGINT). A second signal, or a stop that takes longer than the grace
+time, ends the process at once (the last finished checkpoint stays intact).
+
+With several processes, JAX's preemption service owns SIGTERM (it is
+installed by ``jax.distributed.initialize`` and tells every process); the
+loop asks :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
+after each step, so that every process stops at, and saves, the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _say(message: str) -> None:
+  print(f"dadjax: {message}", file=sys.stderr, flush=True)
+
+
+def exit_code(signum: int) -> int:
+  """The shell's convention for a process ended by a signal: ``128 + signum``."""
+  return 128 + int(signum)
+
+
+class StopOnSignal:
+  """Install SIGTERM / SIGINT handlers that request a stop (a context manager).
+
+  Args:
+    grace_s: after the first signal, end the process (``os._exit(128 +
+      signum)``) if the stop has not finished within this many seconds.
+    enabled: ``False`` leaves the handlers as they are (signals act as usual).
+    multi_process: with several processes SIGTERM is left to JAX's
+      preemption service (:meth:`stop_at` asks it) and SIGINT is forwarded to
+      it as a SIGTERM, so that every process stops at the same step.
+    last_checkpoint: called for the message of an immediate stop (the
+      newest finished checkpoint step, or ``None``).
+
+  Outside the main thread (where Python cannot install handlers) it does
+  nothing.
+  """
+
+  def __init__(self, grace_s: float, *, enabled: bool = True, multi_process: bool = False,
+               last_checkpoint: Callable[[], int | None] = lambda: None):
+    self.grace_s = grace_s
+    self.enabled = enabled
+    self.multi_process = multi_process
+    self.last_checkpoint = last_checkpoint
+    self.signum: int | None = None
+    self._previous: dict[int, object] = {}
+    self._timer: threading.Timer | None = None
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signum).name if self.signum else "signal"
+
+  def __enter__(self) -> "StopOnSignal":
+    if self.enabled and threading.current_thread() is threading.main_thread():
+      for signum in SIGNALS:
+        if signum == signal.SIGTERM and self.multi_process:
+          continue  # JAX's preemption notifier handles it
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous.clear()
+    if self._timer is not None:
+      self._timer.cancel()
+      self._timer = None
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.multi_process and signum != signal.SIGTERM:
+      if self.signum is None:
+        self.signum = signum
+        self._start_timer(signum)
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption service tells every process
+        return
+    if self.signum is not None:
+      self._abort(signum, f"second {signal.Signals(signum).name}: stopping at once")
+    self.signum = signum
+    self._start_timer(signum)
+    _say(f"{signal.Signals(signum).name} received: stopping after the current step "
+         f"(again to stop at once)")
+
+  def _start_timer(self, signum: int) -> None:
+    self._timer = threading.Timer(
+        self.grace_s, self._abort,
+        (signum, f"the stop after {signal.Signals(signum).name} took longer than "
+                 f"signal_grace_s={self.grace_s:g}"))
+    self._timer.daemon = True
+    self._timer.start()
+
+  def _abort(self, signum: int, why: str) -> None:
+    try:
+      kept = self.last_checkpoint()
+    except Exception:  # pylint: disable=broad-except
+      kept = None
+    _say(f"{why}, without a new checkpoint; "
+         + (f"the last checkpoint, step {kept}, is intact" if kept is not None
+            else "no checkpoint was finished"))
+    os._exit(exit_code(signum))  # pylint: disable=protected-access
+
+  def stop_at(self, step: int) -> bool:
+    """Whether the loop should stop after ``step`` (called once per step)."""
+    if self.multi_process and self.enabled:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      try:
+        if multihost_utils.reached_preemption_sync_point(step):
+          self.signum = self.signum or signal.SIGTERM
+          return True
+      except RuntimeError:  # the preemption service is disabled
+        pass
+      return False
+    return self.signum is not None
