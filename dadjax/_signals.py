@@ -59,6 +59,7 @@ class StopOnSignal:
     self.multi_process = multi_process
     self.last_checkpoint = last_checkpoint
     self.signum: int | None = None
+    self.step = 0  # the last step the loop finished (set by stop_at)
     self._previous: dict[int, object] = {}
     self._timer: threading.Timer | None = None
 
@@ -117,6 +118,7 @@ class StopOnSignal:
 
   def stop_at(self, step: int) -> bool:
     """Whether the loop should stop after ``step`` (called once per step)."""
+    self.step = step
     if self.multi_process and self.enabled:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       try:

@@ -71,7 +71,7 @@ FORMAT = 1
 FINGERPRINT_EXCLUDED = frozenset({
     "steps", "eval_every", "checkpoint_dir", "checkpoint_every", "out_dir", "data_dir",
     "backend", "bandwidth", "latency", "topology", "intra_bandwidth", "intra_latency",
-    "checkpoint_on_signal", "signal_grace_s"})
+    "checkpoint_on_signal", "signal_grace_s", "peer_timeout_s"})
 
 LOCK_FILE = "dadjax.lock"
 
@@ -253,6 +253,7 @@ class CheckpointDir:
     self._lock_fd = None
     self._lock_id = None
     self._saving = None
+    self._restarted = restart
     self._manager = None
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
@@ -450,7 +451,39 @@ class CheckpointDir:
           "checkpoint_dir, or restart=True (--restart) to delete these checkpoints and start over")
 
   def _verify(self, step: int, template: Any) -> Restored:
-    """Restore ``step`` and check it; raises ``_Damaged`` with the reason."""
+    """Restore ``step`` and check it; raises ``_Damaged`` with the reason.
+
+    With several processes, each first reads its own part; then the
+    processes exchange their verdicts, so that all of them take the same
+    step or all skip it (a step one process cannot read is damaged for
+    every process). A failure of that exchange, or of the checksum
+    computation across processes, is a :class:`CheckpointError`, never
+    taken for damage.
+    """
+    local = None
+    try:
+      meta, state = self._read(step, template)
+    except _Damaged as e:
+      local, meta, state = e, None, None
+    _agree(local, step)
+    try:
+      checksums, nonfinite = state_digest(state)
+    except Exception as e:  # pylint: disable=broad-except
+      if jax.process_count() == 1:
+        raise _Damaged(f"its checksums cannot be computed ({_first_line(e)})") from e
+      raise CheckpointError(f"checkpoint step {step} in {self.directory}: the checksums across "
+                            f"processes failed ({_first_line(e)}); restart all processes") from e
+    if set(checksums) != set(meta["checksums"]):
+      raise _Damaged("its leaves differ from the ones recorded at save time")
+    for path, value in checksums.items():
+      if value != meta["checksums"][path]:
+        raise _Damaged(f"the checksum of {path} differs from the one recorded at save time")
+    if nonfinite:
+      raise _Damaged(f"{nonfinite[0]} is not finite")
+    return Restored(step, state, meta)
+
+  def _read(self, step: int, template: Any):
+    """This process's reading of ``step``: ``(meta, state)``, or ``_Damaged``."""
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore())).meta
@@ -466,15 +499,7 @@ class CheckpointDir:
           state=ocp.args.StandardRestore(template))).state
     except Exception as e:  # pylint: disable=broad-except
       raise _Damaged(f"the state cannot be restored ({_first_line(e)})") from e
-    checksums, nonfinite = state_digest(state)
-    if set(checksums) != set(meta["checksums"]):
-      raise _Damaged("its leaves differ from the ones recorded at save time")
-    for path, value in checksums.items():
-      if value != meta["checksums"][path]:
-        raise _Damaged(f"the checksum of {path} differs from the one recorded at save time")
-    if nonfinite:
-      raise _Damaged(f"{nonfinite[0]} is not finite")
-    return Restored(step, state, meta)
+    return meta, state
 
   def restore(self, template: Any) -> Restored | None:
     """The newest intact checkpoint, restored into ``template``'s structure and placement.
@@ -495,7 +520,7 @@ class CheckpointDir:
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     foreign = _foreign_steps(self.directory)
-    if foreign and not steps:
+    if foreign and not steps and not self._restarted:
       reasons = "; ".join(f"step {name}: it has no dadjax record (an older format, or not "
                           "written by dadjax)" for name in foreign)
       raise CheckpointError(
@@ -527,6 +552,26 @@ class CheckpointDir:
 
 class _Damaged(Exception):
   pass
+
+
+def _agree(local: _Damaged | None, step: int) -> None:
+  """Every process's verdict on ``step``: raise ``_Damaged`` on all if any found damage."""
+  if jax.process_count() == 1:
+    if local is not None:
+      raise local
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  try:
+    flags = np.asarray(multihost_utils.process_allgather(
+        np.array([0 if local is None else 1], np.int32))).ravel()
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"the processes could not exchange their verdicts on checkpoint step "
+                          f"{step} ({_first_line(e)}); restart all processes") from e
+  if local is not None:
+    raise _Damaged(f"{local} (process {jax.process_index()})") from local
+  if flags.any():
+    bad = [int(i) for i in np.flatnonzero(flags)]
+    raise _Damaged(f"process(es) {bad} cannot read their part of it")
 
 
 def _is_enospc(error: BaseException) -> bool:

@@ -69,6 +69,9 @@ class Config:
       it and stop (exit code 143 / 130). ``False``: the signals act as usual.
     signal_grace_s: the longest such a stop may take (seconds, default 60);
       then the process ends at once, keeping the last finished checkpoint.
+    peer_timeout_s: with several processes, a process that shows no sign of
+      life for this long (seconds, default 20) is lost: the others stop with
+      ``process K stopped responding at step N`` and exit code 2.
     bandwidth, latency, topology: network model for modeled comm time
       (the links between sites).
     intra_bandwidth, intra_latency: the links inside a site (``per_site >
@@ -100,6 +103,7 @@ class Config:
   out_dir: str | None = None
   checkpoint_on_signal: bool = True
   signal_grace_s: float = 60.0
+  peer_timeout_s: float = 20.0
   bandwidth: float = 1e9
   latency: float = 50e-6
   topology: str = "ring"
@@ -113,6 +117,7 @@ class Config:
     for name in positive:
       if getattr(self, name) < 1:
         raise ConfigError(f"config.{name} must be an int >= 1, got {getattr(self, name)!r}")
+    _check_upper_bounds(self)
     if self.seed < 0:
       raise ConfigError(f"config.seed must be an int >= 0, got {self.seed!r}")
     choices = {"optimizer": ("sgd", "adam"), "backend": BACKENDS, "partition": PARTITIONS,
@@ -126,6 +131,7 @@ class Config:
     parse_lr_schedule(self.lr_schedule)
     _check_range("alpha", self.alpha, low=0.0)
     _check_range("signal_grace_s", self.signal_grace_s, low=0.0)
+    _check_range("peer_timeout_s", self.peer_timeout_s, low=0.0)
     _check_range("bandwidth", self.bandwidth, low=0.0)
     _check_range("latency", self.latency, low=0.0, low_open=False)
     _check_range("intra_bandwidth", self.intra_bandwidth, low=0.0)
@@ -171,6 +177,9 @@ def parse_lr_schedule(text: str) -> tuple[float, tuple[int, ...]]:
   except ValueError:
     raise ConfigError(f"config.lr_schedule: the decay steps must be ints >= 1, got "
                       f"{parts[2:]} in {text!r}; {forms}") from None
+  if max(steps) > 2**31 - 1:
+    raise ConfigError(f"config.lr_schedule: the decay steps must be ints <= {2**31 - 1} (the "
+                      f"step counter is int32), got {max(steps)} in {text!r}; {forms}")
   if min(steps) < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
     raise ConfigError(f"config.lr_schedule: the decay steps must be increasing ints >= 1, got "
                       f"{list(steps)} in {text!r}; {forms}")
@@ -300,13 +309,41 @@ def _check_kwargs(what: str, given: dict, valid: list[str], note: str = "") -> N
 
 
 def _check_sizes(what: str, kwargs: dict) -> None:
-  """Integer model fields (widths, depths, sizes) must be >= 1."""
+  """Integer model fields (widths, depths, sizes) must be in ``[1, MAX_WIDTH]``."""
   for key, value in kwargs.items():
     items = value if isinstance(value, (list, tuple)) else [value]
     ints = [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
     if any(v < 1 for v in ints):
       raise ConfigError(f"{what}[{key!r}] must hold ints >= 1 (a width, depth or size), "
                         f"got {value!r}")
+    numbers = [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if any(not math.isfinite(v) or v > MAX_WIDTH for v in numbers):
+      raise ConfigError(f"{what}[{key!r}] must hold ints in [1, {MAX_WIDTH}] (a width, depth or "
+                        f"size; larger ones exhaust the memory of any one device), got {value!r}")
+
+
+# Upper bounds: past them a value exhausts the machine or overflows a counter.
+MAX_INT32 = 2**31 - 1  # the train state's step counter is int32
+MAX_WIDTH = 2**20  # one model width, depth or size (a 2**20 x 2**20 fp32 kernel is 4 TiB)
+MAX_DEVICES = 1024  # simulated sites x devices per site (XLA starts threads per CPU device)
+
+
+def _check_upper_bounds(config: "Config") -> None:
+  for name in ("steps", "eval_every", "checkpoint_every", "batch_per_site"):
+    if getattr(config, name) > MAX_INT32:
+      raise ConfigError(f"config.{name} must be an int in [1, {MAX_INT32}] (the step counter is "
+                        f"int32), got {getattr(config, name)!r}")
+  if config.seed > 2**32 - 1:
+    raise ConfigError(f"config.seed must be an int in [0, {2**32 - 1}], got {config.seed!r}")
+  devices = config.num_sites * config.per_site
+  if config.backend != "vmap" and devices > MAX_DEVICES:
+    raise ConfigError(
+        f"config.num_sites * config.per_site = {devices} devices is more than {MAX_DEVICES}, the "
+        f"most one process can drive (simulated CPU devices each start threads); use "
+        f"backend='vmap' to simulate many sites on one device, or fewer sites")
+  if config.num_sites > MAX_WIDTH:
+    raise ConfigError(f"config.num_sites must be an int in [1, {MAX_WIDTH}], got "
+                      f"{config.num_sites!r}")
 
 
 def validate(config: Config) -> None:

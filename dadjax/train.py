@@ -21,7 +21,7 @@ import optax
 from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
-from dadjax import _signals, models
+from dadjax import _peers, _signals, models
 from dadjax._datacheck import check_dataset
 from dadjax._io import MetricsFile
 from dadjax.comm import (HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array,
@@ -192,10 +192,11 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   """
   validate(config)
   stores: list = []  # the open checkpoint directory, for the message of an immediate stop
-  with _signals.StopOnSignal(
-      config.signal_grace_s, enabled=config.checkpoint_on_signal,
-      multi_process=jax.process_count() > 1,
-      last_checkpoint=lambda: stores[0].finished_step() if stores else None) as stop:
+  kept = lambda: stores[0].finished_step() if stores else None  # pylint: disable=unnecessary-lambda-assignment
+  with _signals.StopOnSignal(config.signal_grace_s, enabled=config.checkpoint_on_signal,
+                             multi_process=jax.process_count() > 1,
+                             last_checkpoint=kept) as stop, \
+       _peers.PeerWatch(config.peer_timeout_s, step=lambda: stop.step, last_checkpoint=kept):
     return _train(config, progress, log, restart, stop, stores)
 
 

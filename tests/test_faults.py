@@ -392,6 +392,14 @@ TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_sit
     (["stepz=3"], "unknown config key(s) ['stepz']; valid keys: ["),
     (["shard_params=true"], "config.shard_params=True splits parameters over the devices of a "
                             "site: it needs config.per_site >= 2, got 1"),
+    # upper bounds: past them a value exhausts the machine or overflows a counter
+    (["num_sites=1400", "backend=shard_map"], "config.num_sites * config.per_site = 1400 devices is more than 1024"),
+    (['model_kwargs={"hidden": [1e9]}'],
+     "config.model_kwargs['hidden'] must hold ints in [1, 1048576] (a width, depth or size;"),
+    (["lr_schedule=step:0.1:100000000000000000000"],
+     "config.lr_schedule: the decay steps must be ints <= 2147483647 (the step counter is int32)"),
+    (["steps=100000000000000000000000000000"],
+     "config.steps must be an int in [1, 2147483647] (the step counter is int32), got 1"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
   assert cli.main(["train", "--no-progress", *TINY, *argv]) == 2
@@ -819,7 +827,7 @@ def test_foreign_folders_and_links_beside_checkpoints_are_untouched(tmp_path, re
   capsys.readouterr()
   run, err = _resume(ckpt, capsys)
   assert "resuming from checkpoint step 4 in" in err
-  assert f"2024, 9 in {ckpt}: not dadjax checkpoints (no dadjax record, or a link); left " \
+  assert f"9, 2024 in {ckpt}: not dadjax checkpoints (no dadjax record, or a link); left " \
          "untouched" in err
   chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
   assert _steps(ckpt) == [4, 6, 9, 2024]  # 9: the link; steps rotate among dadjax's own only
@@ -827,3 +835,84 @@ def test_foreign_folders_and_links_beside_checkpoints_are_untouched(tmp_path, re
   train(Config(**SMALL, checkpoint_dir=str(ckpt)), progress=False, restart=True)
   assert (ckpt / "2024" / "notes.txt").exists() and (ckpt / "9").is_symlink()
   assert (outside / "state").is_dir()
+
+
+# -- two processes (gloo): preemption and a lost host ----------------------------------------
+
+MH_WORKER = ROOT / "tests" / "faults_multihost_worker.py"
+
+
+def _free_port():
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(tmp_path, ckpt, steps, slow, *overrides):
+  env = {k: v for k, v in _env().items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env["PYTHONPATH"]
+  port = _free_port()
+  return [subprocess.Popen([sys.executable, str(MH_WORKER), str(port), str(i),
+                            str(tmp_path / "params.npz"), str(ckpt), str(steps), str(slow),
+                            *overrides], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _finish(procs, timeout=120):
+  errs = []
+  try:
+    for p in procs:
+      errs.append(p.communicate(timeout=timeout)[1])
+  finally:
+    for p in procs:
+      p.kill()
+  return errs
+
+
+def _wait_for_row(proc, step):
+  for line in proc.stdout:
+    if line.strip() == f"row {step}":
+      return
+  pytest.fail(f"the worker ended before step {step}")
+
+
+@pytest.mark.multihost
+def test_two_processes_sigterm_to_one_both_save_the_same_step_and_resume(tmp_path):
+  from multihost_common import TRAIN_CONFIG  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "ckpt"
+  overrides = ["eval_every=1", "checkpoint_every=10"]
+  procs = _two_processes(tmp_path, ckpt, 12, 0.2, *overrides)
+  _wait_for_row(procs[0], 3)
+  procs[1].send_signal(signal.SIGTERM)  # JAX's preemption service tells process 0
+  errs = _finish(procs)
+  stops = [re.search(r"dadjax: stopped by SIGTERM at step (\d+); checkpoint (\d+) saved in "
+                     + re.escape(str(ckpt)), e) for e in errs]
+  assert [p.returncode for p in procs] == [143, 143], errs[0][-2000:] + errs[1][-2000:]
+  assert all(stops) and stops[0][1] == stops[1][1] == stops[0][2], errs
+  stopped = int(stops[0][1])
+  assert 3 <= stopped < 10 and _steps(ckpt) == [stopped]
+  procs = _two_processes(tmp_path, ckpt, 12, 0, *overrides)  # the rerun resumes there
+  errs = _finish(procs)
+  assert [p.returncode for p in procs] == [0, 0], errs
+  assert all(f"dadjax: resuming from checkpoint step {stopped} in {ckpt}" in e for e in errs)
+  got = np.load(tmp_path / "params.npz")
+  whole = train(Config(**{**TRAIN_CONFIG, "eval_every": 1, "checkpoint_every": 10}, steps=12),
+                progress=False)  # one process, 8 devices, uninterrupted
+  for i, leaf in enumerate(jax.tree.leaves(whole.params)):
+    np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multihost
+def test_lost_process_stops_the_survivor_within_peer_timeout(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  procs = _two_processes(tmp_path, ckpt, 200, 0.1, "eval_every=1", "checkpoint_every=2",
+                         "peer_timeout_s=3")
+  _wait_for_row(procs[0], 5)
+  procs[1].kill()
+  errs = _finish(procs, timeout=60)  # JAX alone would wait 100 s, then abort
+  assert procs[0].returncode == 2, errs[0][-3000:]
+  last = errs[0].strip().splitlines()[-1]
+  assert re.fullmatch(r"dadjax: error: process 1 stopped responding at step \d+ \(no sign of "
+                      r"life for 3 s\); the last checkpoint is step \d+; restart all processes "
+                      r"to resume", last), last

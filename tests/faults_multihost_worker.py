@@ -1,0 +1,54 @@
+"""One process of the 2-process fault tests: 4 CPU devices each, gloo collectives.
+
+Usage: python faults_multihost_worker.py PORT PROCESS_ID OUT.npz CKPT STEPS SLOW_S [key=value...]
+Trains :data:`multihost_common.TRAIN_CONFIG` (plus the overrides) for STEPS
+steps through ``dadjax.train.train`` with checkpoints in CKPT, printing each
+metrics row (``row STEP``) after sleeping SLOW_S seconds (time for a test to
+act between steps); process 0 writes the final parameters to OUT.npz. A
+``dadjax.errors.Stopped`` ends the process with its exit code and message.
+"""
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dadjax  # noqa: E402
+from dadjax.config import Config, _parse_value  # noqa: E402
+from dadjax.errors import DadjaxError, Stopped  # noqa: E402
+from dadjax.train import train  # noqa: E402
+from multihost_common import TRAIN_CONFIG  # noqa: E402
+
+
+def main():
+  port, process_id, out, ckpt, steps, slow = sys.argv[1:7]
+  process_id, slow = int(process_id), float(slow)
+  dadjax.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id))
+  overrides = dict(item.split("=", 1) for item in sys.argv[7:])
+  config = Config(**TRAIN_CONFIG, steps=int(steps), checkpoint_dir=ckpt).replace(
+      **{k: _parse_value(k, v) for k, v in overrides.items()})
+
+  def log(row):
+    time.sleep(slow)
+    print(f"row {row['step']}", flush=True)
+
+  try:
+    run = train(config, progress=False, log=log)
+  except Stopped as e:
+    print(f"dadjax: {e}", file=sys.stderr, flush=True)
+    jax.distributed.shutdown()
+    sys.exit(e.exit_code)
+  except DadjaxError as e:
+    print(f"dadjax: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  if process_id == 0:
+    np.savez(out, **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(run.params))})
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()
