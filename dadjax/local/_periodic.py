@@ -102,20 +102,25 @@ class SyncPlan(NamedTuple):
 
 
 def _split_leaves(sizes: list[int], fragments: int) -> tuple[int, ...]:
-  """Contiguous runs of leaves of about equal size, at least one leaf each."""
-  n, total = len(sizes), sum(sizes)
-  out, start, cum = [], 0, 0
-  for p in range(fragments):
-    if p == fragments - 1:
-      out += [p] * (n - start)
-      break
-    end, cum = start + 1, cum + sizes[start]
-    target = total * (p + 1) / fragments
-    while end < n - (fragments - 1 - p) and abs(cum + sizes[end] - target) <= abs(cum - target):
-      cum += sizes[end]
-      end += 1
-    out += [p] * (end - start)
-    start = end
+  """Contiguous runs of leaves, at least one leaf each, whose largest run is smallest."""
+  n = len(sizes)
+  prefix = np.concatenate([[0], np.cumsum(sizes)])
+  inf = float("inf")
+  # best[p][i]: the smallest largest run cutting the first i leaves into p runs
+  best = [[inf] * (n + 1) for _ in range(fragments + 1)]
+  cut = [[0] * (n + 1) for _ in range(fragments + 1)]
+  best[0][0] = 0
+  for p in range(1, fragments + 1):
+    for i in range(p, n + 1):
+      for j in range(p - 1, i):
+        value = max(best[p - 1][j], prefix[i] - prefix[j])
+        if value < best[p][i]:
+          best[p][i], cut[p][i] = value, j
+  out, i = [0] * n, n
+  for p in range(fragments, 0, -1):
+    j = cut[p][i]
+    out[j:i] = [p - 1] * (i - j)
+    i = j
   return tuple(out)
 
 
@@ -124,8 +129,9 @@ def sync_plan(params: Any, every: int, fragments: int = 1, delay: int = 0,
   """The fragments of ``params`` and their synchronization steps.
 
   The leaves (in flattening order) are cut into ``fragments`` contiguous
-  runs of about equal size (consecutive layers stay together, as in
-  Streaming DiLoCo's sequential fragments). Fragment ``p`` sends on the
+  runs whose largest is as small as possible (consecutive layers stay
+  together, as in Streaming DiLoCo's sequential fragments; the largest run
+  sets the peak per-step traffic). Fragment ``p`` sends on the
   steps ``t`` with ``t % every == ((p + 1) * every // fragments) % every``:
   the sends are staggered evenly over each period and the last fragment
   sends on the multiples of ``every`` (with one fragment: DiLoCo's schedule).
