@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,8 @@ def measure_collectives(lab, sizes, links, *, operands=(1, 2, 4, 8), operand_byt
       lab.set_delay(delay)
 
   results = launch(lab, "dadjax.netlab._bench", spec, len(links), before, timeout, tmp)
+  if workdir is None:
+    shutil.rmtree(tmp, ignore_errors=True)
   return results[0]
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,7 +166,9 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
     eval_every: evaluate (test set) every this many steps, and at the end.
     target: stop once the test accuracy reaches this (at an evaluation).
     timeout: seconds for the whole run before the processes are killed.
-    workdir: where the sites write their results (default: a temporary dir).
+    workdir: where the sites write their results and logs (default: a
+      temporary directory, deleted after a successful run and kept, named in
+      the error, after a failed one).
     rates: with a list of configs, the link rate for each (``None``: keep);
       the lab changes it between runs, while the processes wait.
     delays: the same for the relay's one-way delay (a lab with the relay).
@@ -222,4 +225,6 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
     delay = initial_delay if delay is None else parse_time(delay)
     out.append(LabRun(lab.sites, rate, delay, first["step_s"], compute, first["evals"],
                       params, book, results))
+  if workdir is None:
+    shutil.rmtree(tmp, ignore_errors=True)
   return out[0] if isinstance(config, dict) else out
