@@ -153,7 +153,9 @@ def dataquant(
     num_classes: pack labels into ``code_bits(num_classes)`` bits; ``None``
       sends them as they are.
     input_key: the batch entry holding the inputs ``(rows, ...)``.
-    label_key: the batch entry holding the labels ``(rows,)``.
+    label_key: the batch entry holding the targets: class labels ``(rows,)``,
+      or regression targets of any shape ``(rows, ...)`` (sent exactly, in
+      their dtype; ``num_classes`` must then be ``None``).
     axis_name: the sites' axis; ``None`` is one site.
 
   Returns:
@@ -216,8 +218,14 @@ def dataquant(
     x, y = jnp.asarray(batch[input_key]), jnp.asarray(batch[label_key])
     rows, feat = x.shape[0], x.shape[1:]
     dim = math.prod(feat)
-    if y.shape != (rows,):
-      raise ValueError(f"dataquant: batch[{label_key!r}] must have shape ({rows},), got {y.shape}")
+    if y.ndim < 1 or y.shape[0] != rows:
+      raise ValueError(f"dataquant: batch[{label_key!r}] must have one row per input row, shape "
+                       f"({rows}, ...), got {y.shape}")
+    if num_classes is not None and (y.ndim != 1 or not jnp.issubdtype(y.dtype, jnp.integer)):
+      raise ValueError(f"dataquant: num_classes={num_classes} packs integer class labels of "
+                       f"shape ({rows},); batch[{label_key!r}] has shape {y.shape} and dtype "
+                       f"{y.dtype} (use num_classes=None for regression targets)")
+    y_tail = y.shape[1:]  # a regression target's shape per row; () for labels
     xf = x.reshape(rows, dim).astype(jnp.float32)
     if "weight" in batch:
       w = jnp.asarray(batch["weight"], jnp.float32)
@@ -311,7 +319,8 @@ def dataquant(
     gathered, gather_traffic = metered_all_gather(wire, axis_name)
     traffic = traffic_add(traffic, gather_traffic)
     xh, yh, wh = jax.vmap(decode)(gathered)
-    gbatch = as_batch(xh.reshape(n_sites * rows, dim), yh.reshape(-1), wh.reshape(-1))
+    gbatch = as_batch(xh.reshape(n_sites * rows, dim), yh.reshape((n_sites * rows,) + y_tail),
+                      wh.reshape(-1))
     result = ctx.grad_fn(params, gbatch, jax.random.fold_in(ctx.shared_key, 2))
     grads = result.grads
 
@@ -354,7 +363,7 @@ def dataquant(
       useful = bits_const(tree_nbits(wire))
     else:
       if num_classes is None:
-        label_useful = bits_from_count(count, y.dtype.itemsize * 8)
+        label_useful = bits_from_count(count, y.dtype.itemsize * 8 * math.prod(y_tail))
       else:
         label_useful = bits_from_count((count + 31) // 32, 32 * label_items)
       useful = bits_sum([bits_from_count(count, row_bits + (32 if send_weights else 0)),
