@@ -460,12 +460,17 @@ class CheckpointDir:
     computation across processes, is a :class:`CheckpointError`, never
     taken for damage.
     """
-    local = None
-    try:
+    if jax.process_count() == 1:
       meta, state = self._read(step, template)
-    except _Damaged as e:
-      local, meta, state = e, None, None
-    _agree(local, step)
+    else:  # first agree on the files, then read (orbax's restore is itself collective)
+      _agree(self._missing_part(step), step)
+      try:
+        meta, state = self._read(step, template)
+      except _Damaged as e:
+        raise CheckpointError(
+            f"process {jax.process_index()} cannot read checkpoint step {step} in "
+            f"{self.directory} although its files are there ({e}); restart all processes "
+            "(if it persists, move that step away)") from e
     try:
       checksums, nonfinite = state_digest(state)
     except Exception as e:  # pylint: disable=broad-except
@@ -481,6 +486,17 @@ class CheckpointDir:
     if nonfinite:
       raise _Damaged(f"{nonfinite[0]} is not finite")
     return Restored(step, state, meta)
+
+  def _missing_part(self, step: int) -> "_Damaged | None":
+    """What of ``step`` this process needs and cannot find (multi-process runs)."""
+    path = self.directory / str(step)
+    for needed in (path / "meta" / "metadata", path / "state" / "_METADATA"):
+      if not needed.is_file():
+        return _Damaged(f"{needed.relative_to(path)} is missing")
+    own = path / "state" / f"ocdbt.process_{jax.process_index()}"
+    if any((path / "state").glob("ocdbt.process_*")) and not (own.is_dir() and any(own.iterdir())):
+      return _Damaged(f"this process's part, {own.relative_to(path)}, is missing")
+    return None
 
   def _read(self, step: int, template: Any):
     """This process's reading of ``step``: ``(meta, state)``, or ``_Damaged``."""

@@ -916,3 +916,17 @@ def test_lost_process_stops_the_survivor_within_peer_timeout(tmp_path):
   assert re.fullmatch(r"dadjax: error: process 1 stopped responding at step \d+ \(no sign of "
                       r"life for 3 s\); the last checkpoint is step \d+; restart all processes "
                       r"to resume", last), last
+
+
+@pytest.mark.multihost
+def test_two_processes_agree_when_one_part_of_the_newest_checkpoint_is_missing(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  errs = _finish(_two_processes(tmp_path, ckpt, 4, 0, "checkpoint_every=2"), timeout=240)
+  assert _steps(ckpt) == [2, 4], errs
+  shutil.rmtree(ckpt / "4" / "state" / "ocdbt.process_1")  # process 1's shards of step 4
+  procs = _two_processes(tmp_path, ckpt, 6, 0, "checkpoint_every=2")
+  errs = _finish(procs, timeout=240)  # no process waits for the other in a collective
+  assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+  for err in errs:
+    assert f"checkpoint step 4 in {ckpt} is damaged (" in err
+    assert f"dadjax: resuming from checkpoint step 2 in {ckpt}" in err

@@ -76,6 +76,8 @@ def initialize(
     collectives_interface: str | None = None,
     coordinator_bind_address: str | None = None,
     initialization_timeout: int | None = None,
+    heartbeat_timeout: int | None = 60,
+    shutdown_timeout: int | None = None,
 ) -> None:
   """Start JAX's multi-host runtime (wraps ``jax.distributed.initialize``).
 
@@ -112,6 +114,14 @@ def initialize(
       listens on (default: every address, the port of ``coordinator_address``).
     initialization_timeout: seconds to wait for every process (JAX's
       default, 300, when ``None``).
+    heartbeat_timeout: JAX's ``heartbeat_timeout_seconds``: a process
+      silent this long is dead and JAX aborts every process (SIGABRT, "The
+      tasks have crashed"). Default 60 (JAX's own: 100). The training loop
+      notices a lost process sooner, with its own message
+      (``Config.peer_timeout_s``, 20 s); keep this one above it.
+    shutdown_timeout: JAX's ``shutdown_timeout_seconds``, how long a
+      finished process waits at exit for the others (JAX's default, 300,
+      when ``None``).
 
   Raises:
     ValueError: a bad rank or process count, a network identity without
@@ -139,6 +149,10 @@ def initialize(
     kwargs["coordinator_bind_address"] = coordinator_bind_address
   if initialization_timeout is not None:
     kwargs["initialization_timeout"] = int(initialization_timeout)
+  if heartbeat_timeout is not None:
+    kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout)
+  if shutdown_timeout is not None:
+    kwargs["shutdown_timeout_seconds"] = int(shutdown_timeout)
   jax.distributed.initialize(
       coordinator_address=coordinator_address,
       num_processes=num_processes,
