@@ -8,7 +8,10 @@ one bit ledger with a network cost model. :mod:`dadjax.extend` holds the
 building blocks for writing new methods.
 """
 
-from dadjax import comm, compress, dad, data, extend, local, models, parallel, registry
+# Every family package is imported here: each registers its methods in the catalog
+# (dadjax.registry) when imported, so the catalog is complete once dadjax is.
+from dadjax import (adaptive, comm, compress, dad, data, dataquant, extend, local, models, parallel,
+                    registry)
 from dadjax.comm import (AllReduceState, CommStats, CommSummary, NetworkModel, accumulate, allreduce,
                          comm_stats)
 from dadjax.compress import (

@@ -32,6 +32,12 @@ def _debug_flag(parser: argparse.ArgumentParser) -> None:
                       help="show the Python traceback of an error instead of one line")
 
 
+def _plugin_flag(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first (it registers methods); repeatable. Installed "
+                      "packages' dadjax.methods entry points load by themselves")
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="dadjax", description=__doc__.splitlines()[0])
   parser.add_argument("--debug", action="store_true",
@@ -41,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
   p_train.add_argument("--config", help="TOML or JSON config file")
   p_train.add_argument("overrides", nargs="*", help="key=value, e.g. method=topk:0.01 steps=500")
   p_train.add_argument("--no-progress", action="store_true")
+  _plugin_flag(p_train)
   p_train.add_argument("--restart", action="store_true",
                        help="delete the checkpoints in checkpoint_dir and start from step 0")
   p_train.set_defaults(handler=_train)
@@ -50,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
   p_demo.add_argument("--methods", help="comma-separated method specs (default: all)")
   p_demo.add_argument("--out", default="demo_out")
   p_demo.add_argument("--no-progress", action="store_true")
+  _plugin_flag(p_demo)
   p_demo.set_defaults(handler=_demo)
   _debug_flag(p_demo)
   p_plot = sub.add_parser("plot", help="heat map of a run's Accordion decisions with its learning "
@@ -59,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
   p_plot.set_defaults(handler=_plot)
   _debug_flag(p_plot)
   p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
+  _plugin_flag(p_methods)
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)
   from dadjax.netlab._cli import add_parser as add_netlab  # pylint: disable=g-import-not-at-top
@@ -66,10 +75,37 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def describe_methods() -> str:
+  """Every method and compressor spec with its arguments, defaults and docs (``dadjax methods``)."""
+  from dadjax import registry  # pylint: disable=g-import-not-at-top
+  lines = [
+      "Method specs (dadjax train method=SPEC). Write arguments as NAME:A:B:KEY=V or",
+      "NAME(A, B, KEY=V); specs nest: ef(topk:0.01), accordion(powersgd:2, powersgd:1).",
+  ]
+
+  def block(title: str, group: list) -> None:
+    lines.append("")
+    lines.append(title)
+    for e in group:
+      head = e.form() + (f"  (also: {', '.join(e.aliases)})" if e.aliases else "")
+      lines.append(f"  {head}")
+      lines.append(f"      {e.doc}")
+      for a in e.args:
+        lines.append(f"      {a.describe()}")
+
+  families: dict[str, list] = {"baseline": []}
+  for e in registry.entries("method"):
+    families.setdefault(e.family, []).append(e)
+  for family, group in families.items():
+    block(f"[{family}] methods", group)
+  block("[compress] compressors (each is also a method: compressed all-reduce of the gradient)",
+        registry.entries("compressor"))
+  return "\n".join(lines)
+
+
 def _methods(args: argparse.Namespace) -> int:
   del args
-  from dadjax.registry import describe  # pylint: disable=g-import-not-at-top
-  print(describe())
+  print(describe_methods())
   return 0
 
 
@@ -100,10 +136,15 @@ def _train(args: argparse.Namespace) -> int:
   _simulate_devices(max(DEFAULT_DEVICES, config.num_sites * config.per_site))
   from dadjax._io import json_row  # pylint: disable=g-import-not-at-top
   from dadjax.train import train  # pylint: disable=g-import-not-at-top
-  run = train(config, progress=not args.no_progress, restart=args.restart,
-              log=lambda row: print(json_row(row), flush=True))
-  if run.history:
-    print(json_row(run.final))
+  printed = []
+
+  def log(row: dict) -> None:
+    print(json_row(row), flush=True)
+    printed.append(row)
+
+  run = train(config, progress=not args.no_progress, restart=args.restart, log=log)
+  if run.history and (not printed or printed[-1] is not run.final):
+    print(json_row(run.final))  # a resumed run that had finished logs nothing new
   return 0
 
 
@@ -123,6 +164,9 @@ def _run(args: argparse.Namespace) -> int:
   by SIGTERM at step N; ...`` and exits with ``128 + signal`` (143 / 130).
   """
   try:
+    if getattr(args, "plugin", None) is not None:
+      from dadjax.registry import load_plugins  # pylint: disable=g-import-not-at-top
+      load_plugins(args.plugin)
     return args.handler(args)
   except Stopped as e:  # a signal: the step was saved (see dadjax/_signals.py)
     print(f"dadjax: {e}", file=sys.stderr, flush=True)
@@ -134,8 +178,34 @@ def _run(args: argparse.Namespace) -> int:
     return 2
 
 
+def _parse(argv) -> argparse.Namespace:
+  """Parse ``argv``; ``train``'s ``key=value`` overrides may sit between its flags."""
+  parser = _parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra and getattr(args, "command", None) == "train":
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if not stray:
+      args.overrides = [*args.overrides, *extra]
+      return args
+  if extra:
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  return args
+
+
 def main(argv=None) -> int:
-  return _run(_parser().parse_args(argv))
+  """The ``dadjax`` command; returns the exit code.
+
+  Output cut short by its reader (``dadjax methods | head``) ends quietly.
+  """
+  try:
+    code = _run(_parse(argv))
+    sys.stdout.flush()
+    return code
+  except BrokenPipeError:
+    # Python's recipe: point stdout at devnull so the interpreter's final flush is silent.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a command cut off by a pipe
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ import pathlib
 import tomllib
 from typing import Any, Iterable
 
+from dadjax import _optim
 from dadjax.errors import ConfigError
 
-# Kept here (not imported) so that reading a config never imports JAX: the
-# command line sets up simulated devices after reading the config.
+# Kept here (not imported from the step) so that reading a config never starts a JAX
+# backend: the command line sets up simulated devices after reading the config.
 BACKENDS = ("shard_map", "pmap", "vmap")
 PARTITIONS = ("iid", "by_class", "dirichlet")
 TOPOLOGIES = ("ring", "ps")
@@ -30,14 +31,20 @@ class Config:
   """Everything one training run needs.
 
   Attributes:
-    dataset: ``"digits"`` (embedded, default), ``"synthetic"``,
-      ``"synthetic_seq"``, ``"fashion_mnist"`` (Debian's IDX files),
-      ``"text:GLOB"`` (byte-level language modelling on the files GLOB
-      matches), ``"idx:DIR"`` (MNIST-style IDX files in DIR) or a
+    dataset: a registered name (``"digits"``, embedded, default;
+      ``"synthetic"``, ``"synthetic_seq"``, ``"fashion_mnist"`` (Debian's
+      IDX files); see :func:`dadjax.data.dataset_names`), ``"text:GLOB"``
+      (byte-level language modelling on the files GLOB matches),
+      ``"idx:DIR"`` (MNIST-style IDX files in DIR), a ``.npz`` file, an
+      import path ``"package.module:function"`` to your own loader
+      (returning arrays, see :func:`dadjax.data.as_dataset`), or a
       tensorflow-datasets name (``"mnist"``, ...).
     data_dir: tensorflow-datasets directory (prepared offline).
     dataset_kwargs: extra loader arguments, e.g. ``{"max_examples": 5000}``.
-    model: ``"mlp"``, ``"cnn"``, ``"resnet18"``, ``"gru"``, ``"transformer"``, ``"vit"``.
+    model: a registered name (``"mlp"``, ``"cnn"``, ``"resnet18"``, ``"gru"``,
+      ``"transformer"``, ``"vit"``; see :func:`dadjax.models.model_names`)
+      or an import path ``"package.module:Class"`` to a Flax module of
+      your own (it gets ``num_classes`` and ``dense`` if it has those fields).
     model_kwargs: extra model fields, e.g. ``{"hidden": [128, 128]}``.
     method: communication method spec, see :func:`dadjax.methods.build_method`.
     num_sites: number of sites (devices, or simulated sites with ``vmap``).
@@ -53,13 +60,21 @@ class Config:
     alpha: Dirichlet concentration for ``partition="dirichlet"``.
     batch_per_site: rows per site per step.
     steps: training steps.
-    optimizer: ``"sgd"`` (with ``momentum``) or ``"adam"``.
-    lr, momentum: optimizer hyperparameters.
-    lr_schedule: ``"constant"`` (default) or a step decay
+    optimizer: ``"sgd"`` (with ``momentum``), ``"adam"``, or any optax
+      optimizer with keyword arguments, e.g. ``"adamw(weight_decay=0.1)"``
+      or ``"adamw(learning_rate=3e-4, weight_decay=0.1)"`` (the learning
+      rate defaults to ``lr`` / ``lr_schedule``).
+    lr, momentum: optimizer hyperparameters (``momentum``: ``sgd`` only).
+    lr_schedule: ``"constant"`` (default), a step decay
       ``"step:FACTOR:S1[:S2...]"``: the learning rate is multiplied by
       ``FACTOR`` (in (0, 1)) at each of the steps ``S1 < S2 < ...`` (ints >= 1),
-      e.g. ``"step:0.1:150:250"``. Methods that react to decreases
-      (Accordion) are handed the schedule.
+      e.g. ``"step:0.1:150:250"``, or any optax schedule with its arguments,
+      e.g. ``"warmup_cosine_decay_schedule(init_value=0, peak_value=0.1,
+      warmup_steps=10, decay_steps=300)"`` (which then ignores ``lr``).
+      Methods that react to decreases (Accordion) are handed the schedule.
+    clip_global_norm: clip the communicated gradient to this global norm
+      before the local optimizer (``optax.clip_by_global_norm``); ``None``
+      (default): no clipping.
     seed: seeds parameters, partitions, batches and compressors.
     eval_every: evaluate and log every this many steps (and at the end).
     checkpoint_dir: orbax checkpoint directory (``None``: no checkpoints).
@@ -96,6 +111,7 @@ class Config:
   lr: float = 0.1
   momentum: float = 0.9
   lr_schedule: str = "constant"
+  clip_global_norm: float | None = None
   seed: int = 0
   eval_every: int = 100
   checkpoint_dir: str | None = None
@@ -120,8 +136,7 @@ class Config:
     _check_upper_bounds(self)
     if self.seed < 0:
       raise ConfigError(f"config.seed must be an int >= 0, got {self.seed!r}")
-    choices = {"optimizer": ("sgd", "adam"), "backend": BACKENDS, "partition": PARTITIONS,
-               "topology": TOPOLOGIES}
+    choices = {"backend": BACKENDS, "partition": PARTITIONS, "topology": TOPOLOGIES}
     for name, valid in choices.items():
       value = getattr(self, name)
       if value not in valid:
@@ -129,6 +144,9 @@ class Config:
     _check_range("lr", self.lr, low=0.0)
     _check_range("momentum", self.momentum, low=0.0, high=1.0, low_open=False, high_open=True)
     parse_lr_schedule(self.lr_schedule)
+    _optim.parse_optimizer(self.optimizer)
+    if self.clip_global_norm is not None:
+      _check_range("clip_global_norm", self.clip_global_norm, low=0.0)
     _check_range("alpha", self.alpha, low=0.0)
     _check_range("signal_grace_s", self.signal_grace_s, low=0.0)
     _check_range("peer_timeout_s", self.peer_timeout_s, low=0.0)
@@ -152,38 +170,17 @@ class Config:
     return dataclasses.replace(self, **changes)
 
 
-def parse_lr_schedule(text: str) -> tuple[float, tuple[int, ...]]:
-  """``config.lr_schedule`` as ``(factor, boundaries)``; ``"constant"`` is ``(1.0, ())``.
+def parse_lr_schedule(text: str):
+  """``config.lr_schedule`` parsed (once; the parse is cached).
+
+  Returns:
+    ``(factor, boundaries)`` for ``"constant"`` (``(1.0, ())``) and
+    ``"step:..."``; for an optax schedule, the call that builds it.
 
   Raises:
     ConfigError: naming ``config.lr_schedule`` and the valid forms.
   """
-  forms = "valid forms: 'constant' or 'step:FACTOR:S1[:S2...]', e.g. 'step:0.1:150:250'"
-  if text == "constant":
-    return 1.0, ()
-  parts = text.split(":")
-  if parts[0] != "step" or len(parts) < 3:
-    raise ConfigError(f"config.lr_schedule: unknown schedule {text!r}; {forms}")
-  try:
-    factor = float(parts[1])
-  except ValueError:
-    raise ConfigError(f"config.lr_schedule: FACTOR must be a number in (0, 1), got "
-                      f"{parts[1]!r} in {text!r}; {forms}") from None
-  if not (math.isfinite(factor) and 0 < factor < 1):
-    raise ConfigError(f"config.lr_schedule: FACTOR must be a number in (0, 1), got {factor!r} "
-                      f"in {text!r}; {forms}")
-  try:
-    steps = tuple(int(p) for p in parts[2:])
-  except ValueError:
-    raise ConfigError(f"config.lr_schedule: the decay steps must be ints >= 1, got "
-                      f"{parts[2:]} in {text!r}; {forms}") from None
-  if max(steps) > 2**31 - 1:
-    raise ConfigError(f"config.lr_schedule: the decay steps must be ints <= {2**31 - 1} (the "
-                      f"step counter is int32), got {max(steps)} in {text!r}; {forms}")
-  if min(steps) < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
-    raise ConfigError(f"config.lr_schedule: the decay steps must be increasing ints >= 1, got "
-                      f"{list(steps)} in {text!r}; {forms}")
-  return factor, steps
+  return _optim.parse_schedule(text)
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -346,43 +343,66 @@ def _check_upper_bounds(config: "Config") -> None:
                       f"{config.num_sites!r}")
 
 
+def _check_dataset(config: Config) -> None:
+  from dadjax import data  # pylint: disable=g-import-not-at-top
+  try:
+    loader = data.get_dataset(config.dataset)
+  except ValueError as e:
+    raise ConfigError(f"config.dataset: {e}") from e
+  exclude, note = (), ""
+  if getattr(loader, "func", None) is data.load_tfds:
+    exclude = ("name", "data_dir")
+    note = (f" (dataset {config.dataset!r} is read with tensorflow-datasets; "
+            "set data_dir in the config)")
+  elif config.data_dir:
+    raise ConfigError(f"config.data_dir is for tensorflow-datasets; dataset "
+                      f"{config.dataset!r} is not read with it (registered names: "
+                      f"{data.dataset_names()})")
+  if not _takes_any_keyword(loader):
+    _check_kwargs("config.dataset_kwargs", config.dataset_kwargs,
+                  _valid_names(loader, exclude), note)
+
+
+def _takes_any_keyword(fn) -> bool:
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return True
+  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _check_model(config: Config) -> None:
+  from dadjax import models  # pylint: disable=g-import-not-at-top
+  try:
+    cls, _ = models.model_class(config.model)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from e
+  fields = models.model_fields(cls)
+  if fields is not None:
+    valid = sorted(set(fields) - {"dense", "num_classes"})
+    _check_kwargs("config.model_kwargs", config.model_kwargs, valid,
+                  " (num_classes comes from the dataset, dense from the method)")
+  _check_sizes("config.model_kwargs", config.model_kwargs)
+
+
 def validate(config: Config) -> None:
   """Check what the config names against the code, before anything is built.
 
-  ``Config`` itself checks types and ranges; this checks the dataset's and
-  model's names and keyword arguments against the loader's and the model's
-  signatures (listing the valid ones), model widths ``>= 1`` and that the
-  method spec parses. Imports JAX (the checks need the model classes).
+  ``Config`` itself checks types, ranges, the optimizer and the schedule;
+  this checks the dataset's and model's names and keyword arguments
+  against the loader's and the model's signatures (listing the valid
+  ones), model widths ``>= 1``, and resolves the method spec (its names and
+  every argument, without building it: :func:`dadjax.train.build` builds it
+  once, with the run's steps per epoch and schedule). Imports the model
+  classes.
 
   Raises:
     ConfigError: naming the field and the valid choices.
   """
-  # pylint: disable=g-import-not-at-top
-  from dadjax import models
-  from dadjax.data import _tfds
-  from dadjax.methods import build_method
-  # pylint: enable=g-import-not-at-top
-  builtin = getattr(_tfds, "_BUILTIN", {})
-  loader = _tfds.builtin_loader(config.dataset)
-  if loader is not None:
-    exclude, note = (), ""
-    if config.data_dir:
-      raise ConfigError(f"config.data_dir is for tensorflow-datasets; dataset "
-                        f"{config.dataset!r} is built in (valid built-in names: {sorted(builtin)})")
-  else:
-    loader, exclude = _tfds.load_tfds, ("name", "data_dir")
-    note = (f" (dataset {config.dataset!r} is read with tensorflow-datasets; "
-            "set data_dir in the config)")
-  _check_kwargs("config.dataset_kwargs", config.dataset_kwargs, _valid_names(loader, exclude), note)
-  model_classes = getattr(models, "_MODELS", {})
-  if config.model.lower() not in model_classes:
-    raise ConfigError(f"config.model: unknown model {config.model!r}; valid names: "
-                      f"{sorted(model_classes)}")
-  valid = _valid_names(model_classes[config.model.lower()], ("dense", "num_classes"))
-  _check_kwargs("config.model_kwargs", config.model_kwargs, valid,
-                " (num_classes comes from the dataset, dense from the method)")
-  _check_sizes("config.model_kwargs", config.model_kwargs)
+  from dadjax import registry  # pylint: disable=g-import-not-at-top
+  _check_dataset(config)
+  _check_model(config)
   try:
-    build_method(config.method, axis_name="data", seed=config.seed)
-  except ValueError as e:
+    registry.resolve("method", config.method)
+  except registry.SpecError as e:
     raise ConfigError(f"config.method: {e}") from e

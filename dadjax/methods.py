@@ -16,22 +16,20 @@ from typing import Any, Callable
 from dadjax import registry
 from dadjax.comm import allreduce
 from dadjax.compress import Compressor, compressed
-from dadjax.registry import Method, register_method
+from dadjax.registry import BuildContext, Method, register_method
 
 __all__ = ["Method", "build_method"]
 
 
 @register_method("allreduce", aliases=("fp32",), family="baseline")
-def _allreduce(*, axis_name: str | None = "data", seed: int = 0) -> Method:
+def _allreduce(ctx: BuildContext) -> Method:
   """fp32 mean of the gradients (psum): the baseline every method is measured against."""
-  del seed
-  return Method("", tx=allreduce(axis_name))
+  return Method(tx=allreduce(ctx.axis_name))
 
 
 @registry.lift_compressors
-def _compressed(compressor: Compressor, *, axis_name: str | None = "data",
-                seed: int = 0) -> Method:
-  return Method("", tx=compressed(compressor, axis_name=axis_name, seed=seed))
+def _compressed(compressor: Compressor, ctx: BuildContext) -> Method:
+  return Method(tx=compressed(compressor, axis_name=ctx.axis_name, seed=ctx.seed))
 
 
 def build_method(spec: str, axis_name: str | None = "data", seed: int = 0, *,
@@ -57,11 +55,9 @@ def build_method(spec: str, axis_name: str | None = "data", seed: int = 0, *,
 
   Raises:
     SpecError: (a ``ValueError``) for a malformed spec, an unknown name or a
-      bad argument, listing every valid form.
+      bad argument, listing every valid form. An error inside a builder
+      (a defect, not the spec) propagates as itself.
   """
-  context: dict[str, Any] = {"axis_name": axis_name, "seed": seed}
-  if steps_per_epoch is not None:
-    context["steps_per_epoch"] = steps_per_epoch
-  if lr_schedule is not None:
-    context["lr_schedule"] = lr_schedule
-  return registry.build("method", spec, **context)
+  context = BuildContext(axis_name=axis_name, seed=seed, steps_per_epoch=steps_per_epoch,
+                         lr_schedule=lr_schedule)
+  return registry.build("method", spec, context)

@@ -9,7 +9,6 @@ position and a resumed run continues exactly where it stopped.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import pathlib
 import sys
 import time
@@ -27,7 +26,8 @@ from dadjax._io import MetricsFile
 from dadjax.comm import (HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array,
                          report)
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
-from dadjax.config import Config, parse_lr_schedule, validate
+from dadjax import _optim
+from dadjax.config import Config, validate
 from dadjax.dad import accordion_rows
 from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError, Stopped
 from dadjax.methods import build_method
@@ -68,20 +68,27 @@ def make_schedule(config: Config) -> optax.Schedule:
   """The learning rate of ``config`` as an optax schedule (step -> lr).
 
   ``config.lr_schedule="step:F:S1:S2"`` multiplies ``config.lr`` by ``F`` at
-  steps ``S1`` and ``S2``; ``"constant"`` is ``config.lr`` throughout.
+  steps ``S1`` and ``S2``; ``"constant"`` is ``config.lr`` throughout; an
+  optax schedule spec is that schedule.
   """
-  factor, steps = parse_lr_schedule(config.lr_schedule)
-  if not steps:
-    return optax.constant_schedule(config.lr)
-  return optax.piecewise_constant_schedule(config.lr, {s: factor for s in steps})
+  return _optim.make_schedule(config.lr_schedule, config.lr)
 
 
-def local_optimizer(config: Config) -> optax.GradientTransformation:
-  """The config's local optimizer (sgd with momentum, or adam) with
-  :func:`make_schedule`'s learning rate."""
-  lr = make_schedule(config) if config.lr_schedule != "constant" else config.lr
-  return (optax.sgd(lr, momentum=config.momentum or None) if config.optimizer == "sgd"
-          else optax.adam(lr))
+def local_optimizer(config: Config, schedule: optax.Schedule | None = None
+                    ) -> optax.GradientTransformation:
+  """The config's local optimizer (``config.optimizer``) with :func:`make_schedule`'s
+  learning rate (a constant one as a float), after ``config.clip_global_norm``.
+
+  Args:
+    config: the run's config.
+    schedule: the schedule already built for this run (default: built here).
+  """
+  if _optim.is_constant(config.lr_schedule):
+    lr = config.lr
+  else:
+    lr = schedule if schedule is not None else make_schedule(config)
+  return _optim.make_local_optimizer(config.optimizer, lr, config.momentum,
+                                     config.clip_global_norm)
 
 
 def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -111,18 +118,6 @@ def evaluate(step_fn: TrainStep, state: TrainState, x: np.ndarray, y: np.ndarray
   return {k: v / max(1, len(x)) for k, v in totals.items()}
 
 
-def _build_method(config: Config, steps_per_epoch: int):
-  """The method of ``config``; the run's steps per epoch and learning-rate
-  schedule go to the builders that take them (Accordion)."""
-  kwargs = {"axis_name": "data", "seed": config.seed}
-  params = inspect.signature(build_method).parameters
-  if "steps_per_epoch" in params:
-    kwargs["steps_per_epoch"] = steps_per_epoch
-  if "lr_schedule" in params:
-    kwargs["lr_schedule"] = make_schedule(config)
-  return build_method(config.method, **kwargs)
-
-
 def build(config: Config):
   """Data, batcher, model and step for ``config`` (no training).
 
@@ -141,10 +136,13 @@ def build(config: Config):
                              alpha=config.alpha, seed=config.seed)
   batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
                                  seed=config.seed)
-  method = _build_method(config, batcher.steps_per_epoch)
+  schedule = make_schedule(config)  # one schedule: the optimizer's and the method's
+  method = build_method(config.method, axis_name="data", seed=config.seed,
+                        steps_per_epoch=batcher.steps_per_epoch, lr_schedule=schedule)
   # Flax modules must be hashable: JSON/TOML lists become tuples.
   model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.model_kwargs.items()}
-  if config.model in ("gru", "transformer") and dataset.vocab_size and np.issubdtype(
+  fields = models.model_fields(models.model_class(config.model)[0]) or ()
+  if "vocab_size" in fields and dataset.vocab_size and np.issubdtype(
       dataset.x_train.dtype, np.integer):
     model_kwargs.setdefault("vocab_size", dataset.vocab_size)
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
@@ -155,7 +153,7 @@ def build(config: Config):
   else:
     placement = {"num_sites": config.num_sites}
   lm = np.ndim(dataset.y_train) == 2  # next-token targets (rows, T): per-token metrics
-  step_fn = make_train_step(model, method.optimizer(local_optimizer(config)), **placement,
+  step_fn = make_train_step(model, method.optimizer(local_optimizer(config, schedule)), **placement,
                             backend=config.backend,
                             metrics_fn=data_lib.language_model_metrics if lm else None,
                             batch_stage=getattr(method, "batch_stage", None))

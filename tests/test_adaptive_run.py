@@ -12,7 +12,8 @@ from dadjax import cli
 from dadjax.config import Config, load_config, parse_lr_schedule
 from dadjax.errors import ConfigError
 from dadjax.methods import build_method
-from dadjax.registry import SpecError, describe
+from dadjax.cli import describe_methods as describe
+from dadjax.registry import SpecError
 from dadjax.parallel import make_train_step
 from dadjax.train import build, local_optimizer, make_optimizer, make_schedule, train
 

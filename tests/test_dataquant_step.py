@@ -8,7 +8,7 @@ import pytest
 
 import dadjax
 from dadjax import dataquant as DQ
-from dadjax import registry
+from dadjax import cli, registry
 from dadjax.comm import bits_to_int
 from dadjax.extend import packed_words
 from dadjax.config import Config
@@ -83,8 +83,9 @@ def test_registry_specs_build_a_batch_stage_method(spec, expect):
   assert kwargs["bits"] == expect["bits"]
   assert kwargs.get("gate") == expect.get("gate")
   assert kwargs.get("gate_mode", "threshold") == expect.get("gate_mode", "threshold")
-  if "correct" in expect:
-    assert isinstance(kwargs["correct"], dadjax.compress.Compressor)
+  if "correct" in expect:  # resolved, not built: the nested spec's entry and arguments
+    assert isinstance(kwargs["correct"], registry.Resolved)
+    assert kwargs["correct"].entry.name == expect["correct"]
 
 
 @pytest.mark.parametrize("spec, why", [("dataquant:9", "bits"), ("dataquant:2:gate_mode=top",
@@ -97,7 +98,7 @@ def test_bad_specs_name_the_argument(spec, why):
 
 
 def test_methods_listing_has_dataquant():
-  text = registry.describe()  # what `dadjax methods` prints
+  text = cli.describe_methods()  # what `dadjax methods` prints
   assert "[dataquant] methods" in text and "dataquant([bits=.., correct=.., gate=.." in text
 
 

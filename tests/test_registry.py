@@ -14,6 +14,7 @@ from hypothesis import given, settings
 
 import dadjax
 from dadjax import cli, compress, registry
+from dadjax.registry import _args
 from dadjax.methods import build_method
 from dadjax.models import MLP
 from dadjax.registry import (COMPRESSOR, METHOD, Arg, Method, Spec, SpecError, format_spec,
@@ -147,17 +148,62 @@ def test_bad_compressor_specs_list_compressor_forms(text):
   _assert_lists_every_form(info.value, "compressor")
 
 
-def test_builder_value_errors_become_spec_errors(scratch):
+def test_builder_argument_errors_become_spec_errors(scratch):
   @scratch("compressor", "picky", Arg("n", int))
   def picky(n=2):
     """Test compressor whose factory checks more than the range."""
     if n % 2:
-      raise ValueError(f"n must be even, got {n}")
+      raise registry.ArgumentError(f"n must be even, got {n}")
     return compress.identity()
 
   assert isinstance(compress.get_compressor("picky:4"), compress.Compressor)
   with pytest.raises(SpecError, match="picky: n must be even, got 3; valid forms: .*picky"):
     build_method("picky:3")
+  with pytest.raises(SpecError, match=r"bad method spec 'ef\(picky:3\)': ef: compressor: picky: "
+                     "n must be even"):
+    build_method("ef(picky:3)")
+
+
+def test_builder_defects_propagate_as_themselves(scratch):
+  # A ValueError (or any other error) inside a builder is the library's, not the user's:
+  # it is not relabelled "bad method spec ... valid forms".
+  @scratch("compressor", "broken", Arg("n", int))
+  def broken(n=2):
+    """Test compressor with a defect."""
+    raise ValueError(f"internal shape mismatch {n}")
+
+  @scratch("method", "broken_method")
+  def broken_method(ctx):
+    """Test method with a defect."""
+    return {}["missing"]
+
+  for spec in ("broken:3", "ef(broken:3)"):
+    with pytest.raises(ValueError, match="internal shape mismatch 3") as info:
+      build_method(spec)
+    assert not isinstance(info.value, SpecError)
+  with pytest.raises(KeyError):
+    build_method("broken_method")
+  # resolve() checks what the user wrote and builds nothing, so it does not see the defect
+  entry, kwargs = registry.resolve("method", "ef(broken:3)")
+  assert entry.name == "ef" and kwargs["compressor"].entry.name == "broken"
+  assert kwargs["compressor"].kwargs == {"n": 3}
+
+
+def test_values_keep_their_case_names_do_not(scratch):
+  seen = {}
+
+  @scratch("method", "echo", Arg("path", str), Arg("flag", bool))
+  def echo(ctx, path="", flag=False):
+    """Test method recording a string argument."""
+    seen.update(path=path, flag=flag)
+    return Method(tx=optax.identity())
+
+  build_method("ECHO(path=Data/Run_A, flag=TRUE)")
+  assert seen == {"path": "Data/Run_A", "flag": True}
+  assert parse_spec("Echo:Data:FLAG") == S("echo", ("Data", "FLAG"))
+  build_method("echo:X:FLAG")
+  assert seen == {"path": "X", "flag": True}
+  assert compress.get_compressor("cast:BF16").name == compress.get_compressor("cast:bf16").name
 
 
 # -- typed conversion and building ----------------------------------------------------------
@@ -202,7 +248,7 @@ def _example(arg):
     return "true"
   if arg.type is str:
     return arg.choices[0]
-  lo, hi, lo_closed, _ = registry._parse_interval(arg.within or "(-inf, inf)")
+  lo, hi, lo_closed, _ = _args.parse_interval(arg.within or "(-inf, inf)")
   if arg.type is int:
     return str(int(lo) if lo_closed else int(lo) + 1) if math.isfinite(lo) else "1"
   return str((lo + hi) / 2 if math.isfinite(hi) else (lo + 1 if math.isfinite(lo) else 1.0))
@@ -288,7 +334,7 @@ def scratch():
 
   yield add
   for kind, name in added:
-    registry._unregister(kind, name)
+    registry.unregister(kind, name)
 
 
 def test_methods_with_compressor_arguments(scratch):
@@ -297,10 +343,10 @@ def test_methods_with_compressor_arguments(scratch):
   # What registering Accordion takes: the nested specs arrive as Compressors.
   @scratch("method", "two_settings", Arg("low", COMPRESSOR), Arg("high", COMPRESSOR),
            Arg("eta", float, within="(0, inf)", doc="threshold"))
-  def two_settings(low, high, eta=0.5, *, axis_name="data", seed=0):
+  def two_settings(ctx, low, high, eta=0.5):
     """Test method: low and high settings."""
     seen.update(low=low, high=high, eta=eta)
-    return compress.compressed(low, axis_name=axis_name, seed=seed)
+    return compress.compressed(low, axis_name=ctx.axis_name, seed=ctx.seed)
 
   method = build_method("two_settings(powersgd:2, ef(topk:0.1))", axis_name=None)
   assert method.name == "two_settings(powersgd:2, ef(topk:0.1))" and method.dense is None
@@ -319,7 +365,7 @@ def test_data_side_method_both_spellings(scratch):
 
   @scratch("method", "data_q", Arg("bits", int, within="[1, 8]"),
            Arg("correct", COMPRESSOR, default=None), Arg("gate", float, within="[0, 1]"))
-  def data_q(bits, correct=None, gate=1.0, *, axis_name="data", seed=0):
+  def data_q(ctx, bits, correct=None, gate=1.0):
     """Test batch-stage method."""
     calls.append((bits, correct, gate))
     return Method("", batch_stage=dadjax.BatchStage(lambda p: (), lambda *a: None))
@@ -340,7 +386,7 @@ def test_data_side_method_both_spellings(scratch):
 
 def test_method_arguments_get_the_build_context(scratch):
   @scratch("method", "wrapped", Arg("inner", registry.METHOD))
-  def wrapped(inner, *, axis_name="data", seed=0):
+  def wrapped(ctx, inner):
     """Test method that wraps another."""
     assert isinstance(inner, Method)
     return Method("", tx=inner.tx, dense=inner.dense)
@@ -368,6 +414,25 @@ def test_register_rejects_bad_entries(scratch):
   with pytest.raises(ValueError, match="within must look like"):
     registry.register_compressor("odd2", Arg("r", float, within="0..1"), doc="odd")(
         lambda r=0.5: None)
+  with pytest.raises(ValueError, match="takes the BuildContext as its first parameter"):
+    registry.register_method("odd3", doc="odd")(lambda *, axis_name="data": None)
+
+
+def test_builders_get_one_build_context(scratch):
+  seen = []
+
+  @scratch("method", "ctx_probe", Arg("inner", METHOD, default=None))
+  def ctx_probe(ctx, inner=None):
+    """Test method recording its context."""
+    seen.append(ctx)
+    return Method(tx=optax.identity())
+
+  sched = optax.constant_schedule(0.5)
+  build_method("ctx_probe(inner=ctx_probe)", axis_name="sites", seed=4, steps_per_epoch=9,
+               lr_schedule=sched)
+  assert seen == [registry.BuildContext("sites", 4, 9, sched)] * 2  # nested: the same context
+  assert registry.build("method", "ctx_probe", registry.BuildContext(seed=1)).name == "ctx_probe"
+  assert seen[-1] == registry.BuildContext(seed=1)
 
 
 # -- `dadjax methods` and lazy loading ------------------------------------------------------
@@ -386,13 +451,15 @@ def test_cli_lists_every_method(capsys):
 
 
 @pytest.mark.parametrize("module", ["dadjax.registry", "dadjax.compress._sparse", "dadjax.dad",
-                                    "dadjax.methods"])
-def test_families_load_lazily_without_cycles(module):
+                                    "dadjax.methods", "dadjax.config"])
+def test_importing_any_module_registers_every_family(module):
+  # No lazy loading and no family list: importing any module imports dadjax, whose
+  # __init__ imports every family package, and each registers where it is defined.
   code = (f"import {module}\n"
+          "import sys\n"
           "from dadjax import registry\n"
-          "assert not registry._loaded\n"
-          "names = {e.name for k in registry.KINDS for e in registry.entries(k)}\n"
-          "assert {'topk', 'ef', 'powersgd', 'rank_dad', 'dad', 'allreduce'} <= names, names\n"
+          "names = {e.family for k in registry.KINDS for e in registry.entries(k)}\n"
+          "assert {'compress', 'dad', 'baseline', 'adaptive', 'dataquant'} <= names, names\n"
           "print(registry.build('method', 'ef(topk:0.1)', axis_name=None).name)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr

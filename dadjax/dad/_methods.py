@@ -9,7 +9,7 @@ so the pair works without the caller computing :func:`layer_mask`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -20,21 +20,51 @@ from dadjax.dad._dot_general import KERNEL_PARAM, DotGeneral
 from dadjax.dad._module import Dense
 from dadjax._tree_utils import path_names
 from dadjax.dad._sync import synchronize
-from dadjax.registry import Arg, Method, register_method
+from dadjax.registry import Arg, ArgumentError, BuildContext, Method, register_method
+
+
+def _module_paths(tree: Any) -> frozenset[tuple[str, ...]]:
+  """The module paths of a nested-dict parameter tree (the parents of its leaves)."""
+  out = set()
+
+  def walk(node, path):
+    if hasattr(node, "items"):
+      for k, v in node.items():
+        walk(v, (*path, str(k)))
+    else:
+      out.add(path[:-1])
+
+  walk(tree, ())
+  return frozenset(out)
+
+
+class _Model(NamedTuple):
+  """What one trace of a model recorded: its dAD layers, the kernels its dAD dot_generals
+  contract, and all its parameters' modules."""
+
+  dad: frozenset
+  kernels: frozenset
+  modules: frozenset | None  # None: not known (every dAD layer sat in a lifted transform)
+
+  def fits(self, modules: frozenset) -> bool:
+    return self.dad <= modules and {k[:-1] for k in self.kernels} <= modules
 
 
 class DenseFactory:
-  """Builds :class:`~dadjax.dad.Dense` layers and remembers where it put them.
+  """Builds :class:`~dadjax.dad.Dense` layers and remembers where it put them, per model.
 
   Pass it as a model's ``dense`` factory; each call
   ``factory(features, use_bias=..., name=...)`` returns a ``Dense`` with the
   factory's options (call keywords win), and the module path of every
-  synchronizing layer (not ``mode="local"``) built inside a model is added
-  to :attr:`paths`. :attr:`dot_general_cls` does the same for a user's own
-  Flax layers (``nn.Dense``, ``nn.DenseGeneral``, attention projections), by
-  :class:`~dadjax.dad.DotGeneral`, remembering their kernels in
-  :attr:`kernels`. :meth:`mask` turns those paths into the parameter mask
-  :func:`~dadjax.dad.synchronize` needs.
+  synchronizing layer (not ``mode="local"``) built inside a model is
+  recorded for that model (one trace of ``model.init`` / ``model.apply``).
+  :attr:`dot_general_cls` does the same for a user's own Flax layers
+  (``nn.Dense``, ``nn.DenseGeneral``, attention projections), by
+  :class:`~dadjax.dad.DotGeneral`, remembering their kernels.
+  :meth:`mask` marks the layers of the model whose parameters it is given
+  (the model with that parameter structure; among several, the one traced
+  last), so one factory reused for a second model never merges the two
+  models' layers.
 
   Args:
     **options: :class:`~dadjax.dad.Dense` fields (``mode``, ``rank``, ...).
@@ -44,16 +74,57 @@ class DenseFactory:
     config_fields = {k: v for k, v in options.items() if k in DadConfig.__dataclass_fields__}
     DadConfig(**config_fields)  # validate now, naming the bad argument
     self.options = dict(options)
-    self.paths: set[tuple[str, ...]] = set()
-    self.kernels: set[tuple[str, ...]] = set()  # kernels of the dot_generals it built
     self.built = 0  # layers built inside a model, including "local" ones
+    self._models: list[_Model] = []  # one per distinct trace record, oldest first
+    self._paths: set[tuple[str, ...]] = set()  # of the trace being recorded
+    self._kernels: set[tuple[str, ...]] = set()
+    self._root: Any = None  # the root scope of the trace being recorded (until it is closed)
+
+  @property
+  def paths(self) -> frozenset[tuple[str, ...]]:
+    """The synchronizing ``Dense`` layers' module paths of the model traced last."""
+    return self._last().dad
+
+  @property
+  def kernels(self) -> frozenset[tuple[str, ...]]:
+    """The kernels of the synchronizing dot_generals of the model traced last."""
+    return self._last().kernels
+
+  def _last(self) -> _Model:
+    if self._paths or self._kernels or not self._models:
+      return _Model(frozenset(self._paths), frozenset(self._kernels), None)
+    return self._models[-1]
+
+  def _close(self) -> None:
+    """File the trace being recorded (its parameters' structure is complete once it ended)."""
+    if self._root is None and not self._paths and not self._kernels:
+      return
+    modules = None
+    if self._root is not None:
+      modules = _module_paths(getattr(self._root, "_variables", {}).get("params", {}))
+    record = _Model(frozenset(self._paths), frozenset(self._kernels), modules)
+    if record in self._models:
+      self._models.remove(record)
+    self._models.append(record)  # most recent last
+    self._root, self._paths, self._kernels = None, set(), set()
+
+  def _record(self, scope: Any) -> None:
+    """Count a layer built in ``scope``; start a new record when a new trace begins."""
+    self.built += 1
+    root = scope.root
+    # A root scope at path () is a new trace of a model; a lifted transform's
+    # (nn.scan, nn.remat) inner root sits at the lifted module's path and
+    # belongs to the trace around it.
+    if not root.path and root is not self._root:
+      self._close()
+      self._root = root
 
   def __call__(self, features: int, **kwargs: Any) -> Dense:
     layer = Dense(features, **{**self.options, **kwargs})
     if layer.scope is not None:
-      self.built += 1
+      self._record(layer.scope)
       if layer.mode != "local":
-        self.paths.add(tuple(layer.scope.path))
+        self._paths.add(tuple(layer.scope.path))
     return layer
 
   @property
@@ -71,60 +142,69 @@ class DenseFactory:
     def build(**kwargs: Any) -> DotGeneral:
       op = DotGeneral(**{**options, **kwargs})
       if op.scope is not None:
-        self.built += 1
+        self._record(op.scope)
         if op.mode != "local":
-          self.kernels.add(tuple(op.scope.path)[:-1] + (KERNEL_PARAM,))
+          self._kernels.add(tuple(op.scope.path)[:-1] + (KERNEL_PARAM,))
       return op
 
     return build
 
   def mask(self, params: Any) -> Any:
-    """``True`` for the parameters of the dAD layers this factory built.
+    """``True`` for the parameters of the dAD layers this factory built in ``params``' model.
 
     Raises:
-      ValueError: if no layer was built yet (initialize the model first).
+      ValueError: if no layer was built yet (initialize the model first),
+        or none of the models it built has these parameters.
     """
     if not self.built:
       raise ValueError("mask: this DenseFactory has not built any dAD layer yet; "
                        "initialize the model (model.init) before the optimizer")
+    self._close()
+    modules = _module_paths(params)
+    same = [m for m in self._models if m.modules == modules]
+    fits = same or [m for m in self._models if m.fits(modules)]
+    if not fits:
+      raise ValueError("mask: these parameters belong to none of the models this DenseFactory "
+                       "built (build the model with the method's dense factory and initialize "
+                       "it before the optimizer)")
+    model = fits[-1]
     return jax.tree_util.tree_map_with_path(
-        lambda p, _: path_names(p)[:-1] in self.paths or path_names(p) in self.kernels, params)
+        lambda p, _: path_names(p)[:-1] in model.dad or path_names(p) in model.kernels, params)
 
   def __repr__(self) -> str:
     return f"DenseFactory({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
-def _method(other, axis_name, seed, **options) -> Method:
-  dense = DenseFactory(axis_name=axis_name, seed=seed, **options)
-  return Method("", tx=synchronize(dense.mask, other, axis_name=axis_name), dense=dense)
+def _method(ctx: BuildContext, other, **options) -> Method:
+  dense = DenseFactory(axis_name=ctx.axis_name, seed=ctx.seed, **options)
+  return Method(tx=synchronize(dense.mask, other, axis_name=ctx.axis_name), dense=dense)
 
 
 @register_method("dad")
-def _exact(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+def _exact(ctx: BuildContext, *, other=None) -> Method:
   """Exact dAD: every dense layer all-gathers its inputs A and deltas D."""
-  return _method(other, axis_name, seed, mode="exact")
+  return _method(ctx, other, mode="exact")
 
 
 @register_method("auto_dad")
-def _auto(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+def _auto(ctx: BuildContext, *, other=None) -> Method:
   """Exact dAD, per layer the cheaper route: gather (A, D) or all-reduce A^T D."""
-  return _method(other, axis_name, seed, mode="auto")
+  return _method(ctx, other, mode="auto")
 
 
 @register_method("local_dad")
-def _local(*, axis_name: str | None = "data", seed: int = 0, other=None) -> Method:
+def _local(ctx: BuildContext, *, other=None) -> Method:
   """dAD layers that do not synchronize: every parameter goes to ``other`` (all-reduce)."""
-  return _method(other, axis_name, seed, mode="local")
+  return _method(ctx, other, mode="local")
 
 
 @register_method(
     "qdad",
     Arg("bits", int, within="[1, 8]", doc="bits per number of the gathered A and D"),
 )
-def _quantized(bits: int = 4, *, axis_name: str | None = "data", seed: int = 0,
-               other=None) -> Method:
+def _quantized(ctx: BuildContext, bits: int = 4, *, other=None) -> Method:
   """Quantized dAD: every dense layer all-gathers A and D stochastically rounded to b bits."""
-  return _method(other, axis_name, seed, mode="exact", quantize_bits=bits)
+  return _method(ctx, other, mode="exact", quantize_bits=bits)
 
 
 @register_method(
@@ -137,6 +217,7 @@ def _quantized(bits: int = 4, *, axis_name: str | None = "data", seed: int = 0,
     Arg("tol", float, within="[0, inf)", positional=False, doc="power-iteration tolerance"),
 )
 def _rank(
+    ctx: BuildContext,
     rank: int = DadConfig.rank,
     two_way: bool = False,
     warm: bool = False,
@@ -144,13 +225,11 @@ def _rank(
     iters: int = DadConfig.iters,
     tol: float = DadConfig.tol,
     *,
-    axis_name: str | None = "data",
-    seed: int = 0,
     other=None,
 ) -> Method:
   """rank-dAD: sites share rank-r factors of their local A^T D (structured power iteration)."""
   extra = {k: v for k, v in (("iters", iters), ("tol", tol)) if v != getattr(DadConfig, k)}
-  return _method(other, axis_name, seed, mode="rank", rank=rank,
+  return _method(ctx, other, mode="rank", rank=rank,
                  aggregation="two_way" if two_way else "one_way", warm_start=warm,
                  error_feedback=ef, **extra)
 
@@ -167,6 +246,7 @@ def _rank(
     Arg("eta", float, within="(0, inf)", positional=False, doc="critical threshold"),
 )
 def _accordion_rank(
+    ctx: BuildContext,
     high: int,
     low: int,
     warm: bool = False,
@@ -175,18 +255,15 @@ def _accordion_rank(
     interval: int = 1,
     eta: float = 0.5,
     *,
-    axis_name: str | None = "data",
-    seed: int = 0,
     other=None,
-    steps_per_epoch: int | None = None,
-    lr_schedule=None,
 ) -> Method:
   """rank-dAD under Accordion: each layer's rank is HIGH in critical regimes, else LOW."""
-  if window is None:
-    window = steps_per_epoch if steps_per_epoch is not None else 1
-  return _method(other, axis_name, seed, mode="rank", rank=high, rank_low=low,
-                 warm_start=warm, error_feedback=ef, accordion_window=window,
-                 accordion_interval=interval, accordion_eta=eta, lr_schedule=lr_schedule)
+  if low >= high:
+    raise ArgumentError(f"low must be an int < high={high} (the rank outside critical "
+                        f"regimes is the smaller one), got {low}")
+  return _method(ctx, other, mode="rank", rank=high, rank_low=low,
+                 warm_start=warm, error_feedback=ef, accordion_window=ctx.epoch_window(window),
+                 accordion_interval=interval, accordion_eta=eta, lr_schedule=ctx.lr_schedule)
 
 
 def is_method(spec: str) -> bool:
@@ -207,7 +284,8 @@ def get_method(
   """The optimizer-side transformation and the model's dense factory for a dAD spec.
 
   Specs: ``"dad"`` (exact), ``"qdad:B"`` (exact route, A and D sent at B
-  bits, unbiased), ``"auto_dad"`` (cheapest exact route per layer), ``"local_dad"`` (no dAD: every parameter goes to ``other``),
+  bits, unbiased), ``"auto_dad"`` (cheapest exact route per layer),
+  ``"local_dad"`` (no dAD: every parameter goes to ``other``),
   ``"rank_dad:R"`` (rank-dAD, rank R, one-way) with optional flags
   ``:two_way``, ``:warm`` (warm start), ``:ef`` (error feedback) and
   keywords ``iters=``, ``tol=``, e.g. ``"rank_dad:4:two_way:ef"``.
@@ -230,9 +308,7 @@ def get_method(
   if entry.family != "dad":
     raise registry.SpecError(spec, f"unknown dAD method {entry.name!r} (not a dAD spec)")
   try:
-    method = entry.fn(**kwargs, axis_name=axis_name, seed=seed, other=other)
-  except registry.SpecError:
-    raise
-  except ValueError as e:
+    method = entry.fn(BuildContext(axis_name=axis_name, seed=seed), **kwargs, other=other)
+  except ArgumentError as e:
     raise registry.SpecError(spec, f"{entry.name}: {e}") from e
   return method.tx, method.dense

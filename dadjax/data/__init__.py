@@ -4,6 +4,8 @@ from dadjax.data._embedded import Dataset, load_digits
 from dadjax.data._idx import load_fashion_mnist, load_idx, read_idx
 from dadjax.data._partition import SiteBatcher, partition, partition_summary, site_batches
 from dadjax.data._synthetic import synthetic_classification, synthetic_sequences
+from dadjax.data._lookup import (as_dataset, dataset_names, get_dataset, load, load_npz,
+                                 register_dataset)
 from dadjax.data._text import (
   bits_per_byte,
   language_model_metrics,
@@ -12,7 +14,7 @@ from dadjax.data._text import (
   split_files,
   text_windows,
 )
-from dadjax.data._tfds import load, load_tfds, tokenize
+from dadjax.data._tfds import load_tfds, tokenize
 
 __all__ = [
   "Dataset",
@@ -35,4 +37,16 @@ __all__ = [
   "partition_summary",
   "SiteBatcher",
   "site_batches",
+  "register_dataset",
+  "get_dataset",
+  "dataset_names",
+  "load_npz",
+  "as_dataset",
 ]
+
+register_dataset("digits", load_digits)
+register_dataset("synthetic", synthetic_classification)
+register_dataset("synthetic_seq", synthetic_sequences)
+register_dataset("fashion_mnist", load_fashion_mnist)
+register_dataset("text", load_text, takes_argument=True)
+register_dataset("idx", load_idx, takes_argument=True)

@@ -1,5 +1,4 @@
-"""TensorFlow Datasets loading into numpy `Dataset`s (no TensorFlow needed), and
-the by-name `load` dispatcher.
+"""TensorFlow Datasets loading into numpy `Dataset`s (no TensorFlow needed).
 
 Data sets prepared in the ``array_record`` file format are read through
 ``tfds`` random-access data sources, which need neither TensorFlow nor a
@@ -7,17 +6,13 @@ network. Data sets prepared as ``tfrecord`` fall back to ``tfds.as_numpy``,
 which needs TensorFlow installed.
 """
 
-import functools
 import re
 import zlib
 from typing import Iterable, Optional
 
 import numpy as np
 
-from dadjax.data._embedded import Dataset, load_digits
-from dadjax.data._idx import load_fashion_mnist, load_idx
-from dadjax.data._synthetic import synthetic_classification, synthetic_sequences
-from dadjax.data._text import load_text
+from dadjax.data._embedded import Dataset
 
 _TEXT_KEYS = ("text", "sentence", "content", "review")
 _INPUT_KEYS = ("image",) + _TEXT_KEYS
@@ -175,38 +170,3 @@ def load_tfds(
       x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
     out += [x, y]
   return Dataset(*out, num_classes=num_classes, name=name, vocab_size=vocab)
-
-
-_BUILTIN = {
-  "digits": load_digits,
-  "synthetic": synthetic_classification,
-  "synthetic_seq": synthetic_sequences,
-  "fashion_mnist": load_fashion_mnist,
-}
-# Names ``PREFIX:ARG``: the loader takes ARG as its first argument.
-_PREFIXED = {"text": load_text, "idx": load_idx}
-
-
-def builtin_loader(name: str):
-  """The loader of a built-in data set name, or ``None``: a key of
-  ``_BUILTIN``, or ``text:GLOB`` / ``idx:DIR`` (the loader with its first
-  argument bound to the part after the colon)."""
-  if name in _BUILTIN:
-    return _BUILTIN[name]
-  prefix, sep, arg = name.partition(":")
-  if sep and prefix in _PREFIXED and arg:
-    return functools.partial(_PREFIXED[prefix], arg)
-  return None
-
-
-def load(name: str, **kwargs) -> Dataset:
-  """Loads a data set by name: "digits" (`load_digits`), "synthetic"
-  (`synthetic_classification`), "synthetic_seq" (`synthetic_sequences`),
-  "fashion_mnist" (`load_fashion_mnist`), "text:GLOB" (`load_text` of the
-  files GLOB matches), "idx:DIR" (`load_idx` of a directory), anything else
-  through `load_tfds`. ``kwargs`` go to that function. Raises
-  ``ValueError`` for names that are neither built in nor loadable."""
-  loader = builtin_loader(name)
-  if loader is not None:
-    return loader(**kwargs)
-  return load_tfds(name, **kwargs)

@@ -8,10 +8,10 @@ is booked in the step's own ledger (``TrainState.comm``).
 
 from __future__ import annotations
 
-from dadjax.dataquant._gate import GATE_MODES, SCORES
+from dadjax.dataquant._gate import GATE_MODES, SCORES, check_gate
 from dadjax.dataquant._stage import QUANTIZERS, dataquant
 from dadjax._core.quantize import SCALES
-from dadjax.registry import COMPRESSOR, Arg, Method, register_method
+from dadjax.registry import COMPRESSOR, Arg, ArgumentError, BuildContext, Method, register_method
 
 
 @register_method(
@@ -34,12 +34,18 @@ from dadjax.registry import COMPRESSOR, Arg, Method, register_method
     Arg("classes", int, within="[2, inf)", positional=False,
         doc="pack labels into ceil(log2(classes)) bits; none: 32-bit labels"),
 )
-def _dataquant(bits=None, correct=None, gate=None, gate_mode="threshold", score="loss",
-               floor=0.1, every=1, scale="sample", quantizer="uniform", block=4, classes=None,
-               *, axis_name: str | None = "data", seed: int = 0) -> Method:
+def _dataquant(ctx: BuildContext, bits=None, correct=None, gate=None, gate_mode="threshold",
+               score="loss", floor=0.1, every=1, scale="sample", quantizer="uniform", block=4,
+               classes=None) -> Method:
   """Data quantization: sites all-gather quantized rows instead of reducing gradients."""
-  del seed  # the stage's keys come from the train step's key schedule
+  # ctx.seed is unused: the stage's keys come from the train step's key schedule
+  try:  # the checks across arguments (the gate's range depends on gate_mode)
+    check_gate(gate, gate_mode, floor)
+  except ValueError as e:
+    raise ArgumentError(str(e)) from None
+  if quantizer == "codebook" and bits is None:
+    raise ArgumentError("bits must be an int in [1, 8] for quantizer=codebook, got none")
   stage = dataquant(bits, scale=scale, quantizer=quantizer, block=block, correction=correct,
                     correct_every=every, gate=gate, gate_mode=gate_mode, score=score,
-                    gate_floor=floor, num_classes=classes, axis_name=axis_name)
-  return Method("", batch_stage=stage)
+                    gate_floor=floor, num_classes=classes, axis_name=ctx.axis_name)
+  return Method(batch_stage=stage)

@@ -11,7 +11,7 @@ from typing import Any
 import optax
 
 from dadjax.local._periodic import diloco, local_sgd, streaming_diloco
-from dadjax.registry import COMPRESSOR, Arg, Method, register_method
+from dadjax.registry import COMPRESSOR, Arg, ArgumentError, BuildContext, Method, register_method
 
 _EVERY = Arg("every", int, within="[1, inf)", doc="H: inner steps between synchronizations")
 
@@ -33,27 +33,27 @@ def _outer(lr: float, momentum: float) -> optax.GradientTransformation:
 def _method(name: str, make) -> Method:
   try:
     make(optax.identity())  # check the hyperparameters now, not when the run builds its optimizer
-  except ValueError as e:  # the registry names the method itself
-    raise ValueError(str(e).removeprefix(f"{name}: ")) from None
-  return Method("", tx=None, wrap=make)
+  except ValueError as e:  # the constructor's checks of the user's values; the registry names it
+    raise ArgumentError(str(e).removeprefix(f"{name}: ")) from None
+  return Method(tx=None, wrap=make)
 
 
 @register_method("local_sgd", _EVERY, family="local",
                  doc="local SGD: H local steps, then the sites average their parameters (fp32)")
-def _local_sgd(every: int, *, axis_name: str | None = "data") -> Method:
+def _local_sgd(ctx: BuildContext, every: int) -> Method:
   """:func:`~dadjax.local.local_sgd` around the run's optimizer."""
-  return _method("local_sgd", lambda inner: local_sgd(inner, every, axis_name=axis_name))
+  return _method("local_sgd", lambda inner: local_sgd(inner, every, axis_name=ctx.axis_name))
 
 
 @register_method("diloco", _EVERY, *_outer_args(), family="local",
                  doc="DiLoCo: H inner steps, then outer Nesterov SGD on the averaged "
                      "pseudo-gradient (optionally compressed)")
-def _diloco(every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-            compress: Any = None, *, axis_name: str | None = "data", seed: int = 0) -> Method:
+def _diloco(ctx: BuildContext, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+            compress: Any = None) -> Method:
   """:func:`~dadjax.local.diloco` around the run's optimizer."""
   outer = _outer(outer_lr, outer_momentum)
-  return _method("diloco", lambda inner: diloco(inner, every, outer, compress, axis_name=axis_name,
-                                      seed=seed))
+  return _method("diloco", lambda inner: diloco(inner, every, outer, compress,
+                                                axis_name=ctx.axis_name, seed=ctx.seed))
 
 
 @register_method(
@@ -66,10 +66,11 @@ def _diloco(every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
         doc="weight of the local parameters in the merge"),
     *_outer_args(), family="local",
     doc="Streaming DiLoCo: DiLoCo in P staggered fragments, merged tau steps after sending")
-def _streaming_diloco(every: int, fragments: int = 2, delay: int = 1, alpha: float = 0.5,
-                      outer_lr: float = 0.7, outer_momentum: float = 0.9, compress: Any = None,
-                      *, axis_name: str | None = "data", seed: int = 0) -> Method:
+def _streaming_diloco(ctx: BuildContext, every: int, fragments: int = 2, delay: int = 1,
+                      alpha: float = 0.5, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                      compress: Any = None) -> Method:
   """:func:`~dadjax.local.streaming_diloco` around the run's optimizer."""
   outer = _outer(outer_lr, outer_momentum)
   return _method("streaming_diloco", lambda inner: streaming_diloco(
-      inner, every, fragments, delay, alpha, outer, compress, axis_name=axis_name, seed=seed))
+      inner, every, fragments, delay, alpha, outer, compress, axis_name=ctx.axis_name,
+      seed=ctx.seed))
