@@ -126,7 +126,8 @@ def register(
     name: the spec name (lower case, ``[a-z][a-z0-9_]*``).
     *args: its :class:`Arg` s, in positional order.
     doc: one line (required); default: the first line of the builder's docstring.
-    family: the registering package; default: from the builder's module.
+    family: the registering package; default: from the builder's module
+      (``dadjax.dad._methods`` -> ``dad``, ``its_pkg.methods`` -> ``its_pkg``).
     aliases: other names for the same entry.
     prefix: ``prefix + X`` means ``name(X)``, for one-argument wrappers.
 
@@ -159,7 +160,8 @@ def register(
     if not text.strip():
       raise ValueError(f"{name}: give a one-line doc (doc=... or a docstring)")
     module = fn.__module__ or ""
-    fam = family or (module.split(".")[1] if module.startswith("dadjax.") else module)
+    # dadjax's own families by subpackage, anyone else's by top-level package
+    fam = family or (module.split(".")[1] if module.startswith("dadjax.") else module.split(".")[0])
     entry = Entry(kind, name, resolved, fn, text, fam, tuple(aliases), prefix)
     _ENTRIES[kind][name] = entry
     for alias in aliases:
