@@ -27,7 +27,8 @@ import inspect
 from typing import Any, Callable, NamedTuple
 
 from dadjax.errors import DadjaxError
-from dadjax.registry import _args, _grammar
+import dadjax.registry._args as _args
+import dadjax.registry._grammar as _grammar
 from dadjax.registry._args import COMPRESSOR, METHOD, Arg
 from dadjax.registry._grammar import Spec, format_spec
 from dadjax.registry._method import ArgumentError, BuildContext, Method
