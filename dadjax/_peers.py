@@ -88,8 +88,9 @@ class PeerWatch:
         self.client.key_value_set(f"{self.prefix}/{self.process}", str(beat),
                                   allow_overwrite=True)
       except Exception as e:  # pylint: disable=broad-except
-        self._lost(0, f"the coordination service of process 0 does not answer: "
-                      f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__}")
+        text = str(e).strip()
+        self._lost(0, "the coordination service of process 0 does not answer: "
+                      + (text.splitlines()[0][:120] if text else type(e).__name__))
       for peer in range(self.processes):
         if peer == self.process:
           continue

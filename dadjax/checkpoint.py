@@ -609,13 +609,14 @@ def stop_writer_threads(timeout_s: float = 5.0) -> list[str]:
   Returns:
     The names of the threads still alive after ``timeout_s``.
   """
-  from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top,protected-access
+  from orbax.checkpoint._src.futures import future
   threads = [t for t in threading.enumerate()
-             if isinstance(t, future._SignalingThread) and t.is_alive()]  # pylint: disable=protected-access
+             if isinstance(t, future._SignalingThread) and t.is_alive()]
   for t in threads:
     try:
       t._cancelled = True  # pylint: disable=protected-access  (cancel() needs a live loop)
-      future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
+      future.set_signals(t._receive_signals, operation_id=t._operation_id)
     except Exception:  # pylint: disable=broad-except
       pass
   for t in threads:

@@ -190,7 +190,8 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   """
   validate(config)
   stores: list = []  # the open checkpoint directory, for the message of an immediate stop
-  kept = lambda: stores[0].finished_step() if stores else None  # pylint: disable=unnecessary-lambda-assignment
+  def kept():
+    return stores[0].finished_step() if stores else None
   with _signals.StopOnSignal(config.signal_grace_s, enabled=config.checkpoint_on_signal,
                              multi_process=jax.process_count() > 1,
                              last_checkpoint=kept) as stop, \

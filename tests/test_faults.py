@@ -393,7 +393,8 @@ TINY = ["steps=1", "eval_every=1", "num_sites=2", "backend=vmap", "batch_per_sit
     (["shard_params=true"], "config.shard_params=True splits parameters over the devices of a "
                             "site: it needs config.per_site >= 2, got 1"),
     # upper bounds: past them a value exhausts the machine or overflows a counter
-    (["num_sites=1400", "backend=shard_map"], "config.num_sites * config.per_site = 1400 devices is more than 1024"),
+    (["num_sites=1400", "backend=shard_map"],
+     "config.num_sites * config.per_site = 1400 devices is more than 1024"),
     (['model_kwargs={"hidden": [1e9]}'],
      "config.model_kwargs['hidden'] must hold ints in [1, 1048576] (a width, depth or size;"),
     (["lr_schedule=step:0.1:100000000000000000000"],
