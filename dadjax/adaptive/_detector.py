@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._core.critical import is_critical
+from dadjax._core.linalg import safe_norm
 from dadjax._core.validate import check_int, is_real
 from dadjax._core.vma import cond
 from dadjax.comm import metered_pmean
@@ -102,10 +103,9 @@ def detector_lr_decrease(state: DetectorState, decreased: jax.Array | bool) -> D
 
 
 def _local_norms(accum: tuple, whole_model: bool) -> jax.Array:
-  squares = jnp.stack([jnp.sum(a * a) for a in accum]) if accum else jnp.zeros([0])
-  if whole_model:
-    squares = jnp.sum(squares, keepdims=True)
-  return jnp.sqrt(squares)
+  # Scale-safe: 1e30-sized (or 1e-30-sized) gradients neither overflow nor underflow.
+  norms = jnp.stack([safe_norm(a.reshape(-1)) for a in accum]) if accum else jnp.zeros([0])
+  return safe_norm(norms)[None] if whole_model else norms
 
 
 def detector_update(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from dadjax._tree_utils import SpecMemo, check_axis_name
@@ -18,7 +20,8 @@ class AllReduceState(NamedTuple):
 def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
   """Plain data-parallel averaging: fp32 mean of the gradients via ``psum``.
 
-  The baseline every compressor is measured against; it also fills the
+  The baseline every compressor is measured against. Gradients of a narrower
+  float type (fp16, bf16) are reduced in fp32 and cast back. It also fills the
   ledger: each site hands ``32 * num_params`` payload bits (fp32 leaves) to
   one all-reduce call per step (XLA may split or merge it into several ops;
   see :func:`~dadjax.comm.hlo_collectives`).
@@ -48,7 +51,12 @@ def allreduce(axis_name: str | None = "data") -> optax.GradientTransformation:
     del params
     specs.check(updates)
     dense = tree_dense_bits(updates)
-    updates, traffic = metered_pmean(updates, axis_name)
+    # The mean in fp32 (as documented), cast back: fp16 gradients that each fit fp16
+    # may sum past its range. Wider leaves (fp64) keep their type.
+    wide = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
+                        if jnp.issubdtype(g.dtype, jnp.floating) else g, updates)
+    mean, traffic = metered_pmean(wide, axis_name)
+    updates = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, updates)
     comm = ledger_record(state.comm, reduce=traffic.reduce, dense=dense,
                          reduce_calls=traffic.reduce_calls)
     return updates, AllReduceState(comm)

@@ -152,6 +152,15 @@ def mean_of_decompressed(compressor: Compressor, gathered: Any, like: Any, key: 
   return jax.tree.map(lambda x: jnp.mean(x, axis=0), per_site)
 
 
+def _short_range(payload: Any) -> float:
+  """The largest finite value of the payload's float types narrower in range than fp32
+  (fp16: 65504), or 0 if there is none (fp32, bf16)."""
+  tops = [float(jnp.finfo(x.dtype).max) for x in jax.tree.leaves(payload)
+          if jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.finfo(x.dtype).maxexp < jnp.finfo(jnp.float32).maxexp]
+  return min(tops, default=0.0)
+
+
 def one_round_exchange(compressor: Compressor, grads: Any, state: Any, key: Any,
                        axis_name: str | None) -> Exchanged:
   """Compress, one collective over ``axis_name``, decompress and average.
@@ -167,12 +176,30 @@ def one_round_exchange(compressor: Compressor, grads: Any, state: Any, key: Any,
     :class:`Exchanged`; ``mean`` has the dtypes of ``grads``.
   """
   key = as_keys(key)
-  payload, state = compressor.compress(grads, state, key)
-  local = compressor.decompress(payload, grads, key)
+  before = state
+  payload, state = compressor.compress(grads, before, key)
   if compressor.communication == "reduce":
-    summed, traffic = metered_psum(payload, axis_name)
-    mean = tree_scale(compressor.decompress(summed, grads, key), 1.0 / axis_size(axis_name))
+    n = axis_size(axis_name)
+    # Decode in (at least) fp32 and divide before casting back: a sum of fp16
+    # gradients that each fit fp16 may not.
+    wide = jax.tree.map(lambda g: jax.ShapeDtypeStruct(
+        jnp.shape(g), jnp.promote_types(jnp.result_type(g), jnp.float32)), grads)
+    top = _short_range(payload)
+    if n > 1 and top:
+      # The wire sum itself may overflow (fp16): each site sends its share of the
+      # mean, as PyTorch's fp16 hook does (the payload is linear, so this is exact),
+      # saturated so that the sum of n shares fits.
+      share = jax.tree.map(lambda g: jnp.clip(g / n, -top / n, top / n).astype(g.dtype), grads)
+      payload, state = compressor.compress(share, before, key)
+      local = tree_cast_like(tree_scale(compressor.decompress(payload, wide, key), n), grads)
+      summed, traffic = metered_psum(payload, axis_name)
+      mean = compressor.decompress(summed, wide, key)
+    else:
+      local = compressor.decompress(payload, grads, key)
+      summed, traffic = metered_psum(payload, axis_name)
+      mean = tree_scale(compressor.decompress(summed, wide, key), 1.0 / n)
   else:
+    local = compressor.decompress(payload, grads, key)
     gathered, traffic = metered_all_gather(payload, axis_name)
     if compressor.aggregate is None:
       mean = mean_of_decompressed(compressor, gathered, grads, key)

@@ -40,8 +40,10 @@ def cast(dtype="bf16") -> Compressor:
 
   Returns:
     A ``"reduce"`` :class:`Compressor` of ``bits(dtype) * d`` bits per tensor
-    of ``d`` entries; the sum is formed in ``dtype`` (as on the wire) and
-    cast back to the gradient's dtype.
+    of ``d`` entries; the sum is formed in ``dtype`` (as on the wire), the
+    mean in fp32 (or wider), then cast back to the gradient's dtype. Values
+    beyond ``dtype``'s range saturate at its largest finite value (fp16:
+    65504) instead of becoming inf.
 
   Raises:
     ValueError: for an unsupported ``dtype``.
@@ -54,8 +56,12 @@ def cast(dtype="bf16") -> Compressor:
   """
   wire = _wire_dtype(dtype)
 
+  top = float(jnp.finfo(wire).max)
+
   def compress_leaf(x, key):
     del key
+    if jnp.finfo(x.dtype).max > top:  # saturate: a finite gradient stays finite on the wire
+      x = jnp.clip(x, -top, top)
     return x.astype(wire)
 
   def decompress_leaf(payload, like, key):

@@ -96,7 +96,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
     else:  # buckets run across slices: not shardable (the flag below)
       b, nb = _buckets(d)
       v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
-      norm = jnp.linalg.norm(v, axis=1)
+      norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
       noise = jax.random.uniform(key.site, v.shape)
     scaled = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0)[:, None] * s
     lower = jnp.floor(scaled)
@@ -179,14 +179,18 @@ def _sign_codes(x):
 def sign() -> Compressor:
   """signSGD with majority vote: send 1-bit signs, apply the sign of their sum.
 
-  Each site sends ``sign(g_i)`` (``sign(0) = +1``) packed 32 per uint32
-  word; sites all-gather the words and every site applies the elementwise
-  majority ``sign(sum_sites sign(g_i))`` (0 on a tie). On one site the
-  result is ``sign(g)``. Use a small learning rate, as the paper does.
+  Each site sends ``sign(g_i)`` (``sign(0) = +1``, the paper's convention)
+  packed 32 per uint32 word, plus one bit per tensor that says the site's
+  whole tensor is zero (a parameter without gradient, e.g. an unused head):
+  such a site abstains. Sites all-gather the words and every site applies
+  the elementwise majority ``sign(sum_voting sites sign(g_i))`` (0 on a tie,
+  and 0 when every site abstains, so a parameter without gradient stays
+  where it is). On one site the result is ``sign(g)`` (0 for a zero
+  tensor). Use a small learning rate, as the paper does.
 
   Returns:
-    A ``"gather"`` :class:`Compressor` of ``32 * ceil(d / 32)`` bits per
-    tensor of ``d`` entries.
+    A ``"gather"`` :class:`Compressor` of ``32 * ceil((d + 1) / 32)`` bits
+    per tensor of ``d`` entries.
 
   References:
     Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex
@@ -197,19 +201,23 @@ def sign() -> Compressor:
 
   def compress_leaf(x, key):
     del key
-    return pack_bits(_sign_codes(x), 1)
+    abstain = whole_max(jnp.max(jnp.abs(x))) == 0  # the whole tensor has no gradient here
+    return pack_bits(jnp.concatenate([_sign_codes(x), abstain.astype(jnp.uint32)[None]]), 1)
 
   def decompress_leaf(words, like, key):
     del key
-    negative = unpack_bits(words, 1, _size(like)) == 1
-    return jnp.where(negative, -1.0, 1.0).reshape(like.shape).astype(like.dtype)
+    d = _size(like)
+    codes = unpack_bits(words, 1, d + 1)
+    votes = jnp.where(codes[:d] == 1, -1.0, 1.0) * (codes[d] == 0)
+    return votes.reshape(like.shape).astype(like.dtype)
 
   def aggregate_leaf(gathered, like, key):
     del key
-    n = gathered.shape[0]
-    negatives = jnp.sum(jax.vmap(lambda w: unpack_bits(w, 1, _size(like)))(gathered),
-                        axis=0, dtype=jnp.int32)
-    return jnp.sign(n - 2 * negatives).reshape(like.shape).astype(like.dtype)
+    d = _size(like)
+    codes = jax.vmap(lambda w: unpack_bits(w, 1, d + 1))(gathered)
+    negatives = jnp.sum(codes[:, :d], axis=0, dtype=jnp.int32)
+    voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
+    return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
   return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
                   shardable=True)

@@ -20,9 +20,13 @@ class SparsePayload(NamedTuple):
   indices: jax.Array  # int32
 
 
-def _scatter(values, indices, like):
+def _scatter(values, indices, like, dtype=None):
+  """``values`` added at the flat ``indices`` of a zero tensor like ``like``, summed in fp32.
+
+  The result has ``dtype`` (default ``like``'s); a mean is divided before it is cast.
+  """
   flat = jnp.zeros((math.prod(like.shape),), jnp.float32).at[indices].add(values.astype(jnp.float32))
-  return flat.reshape(like.shape).astype(like.dtype)
+  return flat.reshape(like.shape).astype(like.dtype if dtype is None else dtype)
 
 
 @register_compressor("topk", Arg("ratio", float, within="(0, 1]", doc="fraction of entries kept"))
@@ -67,8 +71,8 @@ def topk(ratio: float = 0.01) -> Compressor:
   def aggregate_leaf(gathered, like, key):
     del key
     n = gathered.values.shape[0]
-    total = _scatter(gathered.values.reshape(-1), gathered.indices.reshape(-1), like)
-    return (total.astype(jnp.float32) / n).astype(like.dtype)
+    total = _scatter(gathered.values.reshape(-1), gathered.indices.reshape(-1), like, jnp.float32)
+    return (total / n).astype(like.dtype)  # the mean in fp32: fp16 sums of sites may overflow
 
   return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="topk")
 
