@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import jax
 
@@ -33,11 +33,6 @@ import jax
 _ACTIVE: list[tuple[tuple[str, ...], Mapping[str, int | None]]] = []
 # Stack of the leaf paths being compressed.
 _LEAVES: list[str] = []
-
-SHARDABLE_METHODS = ("allreduce", "identity / fp32", "cast / bf16 / fp16", "sign", "scaled_sign",
-                     "terngrad", "qsgd (without bucket_size)", "ef(...) of these",
-                     "dad / auto_dad / rank_dad (layers see whole kernels)")
-
 
 class LeafShard(NamedTuple):
   """How the leaf being compressed is split: over ``axes``, along dimension ``dim``."""
@@ -126,20 +121,24 @@ def slice_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(noise, start, shape[shard.dim], axis=shard.dim)
 
 
-def require_whole_leaves(method: str) -> None:
+def require_whole_leaves(method: str, supported: Callable[[], list[str]] | None = None) -> None:
   """Raise a ``ValueError`` naming ``method`` if parameters are sharded now.
 
   Args:
     method: the method's name as the user spelled it (e.g. ``"topk"``).
+    supported: returns the methods that do support sharded parameters, for
+      the message (each declares it once, e.g. a compressor's ``shardable``
+      flag); called only when raising.
   """
   if _ACTIVE:
+    names = ["allreduce", "dAD layers (they see whole kernels)", "elementwise optimizers"]
+    names += supported() if supported is not None else []
     raise ValueError(
         f"{method} needs each parameter's whole tensor, but make_train_step(shard_params=True) "
         f"gives every device of a site a slice of it over {_ACTIVE[-1][0]}; use shard_params="
-        f"False for {method}. Methods that support sharded parameters: "
-        f"{', '.join(SHARDABLE_METHODS)}")
+        f"False for {method}. Methods that support sharded parameters: {', '.join(names)}")
 
 
-__all__ = ["LeafShard", "SHARDABLE_METHODS", "current_leaf", "leaf_shard", "require_whole_leaves",
+__all__ = ["LeafShard", "current_leaf", "leaf_shard", "require_whole_leaves",
            "shard_axes", "sharded_parameters", "slice_uniform", "whole_max", "whole_size",
            "whole_sum"]

@@ -47,7 +47,7 @@ from dadjax.comm import (
     metered_pmean,
     tree_dense_bits,
 )
-from dadjax.compress import Compressor, exchange, leaf_keys, step_keys
+from dadjax.compress import Compressor, exchange, leaf_keys, shardable_compressors, step_keys
 
 
 class AccordionState(NamedTuple):
@@ -157,7 +157,7 @@ def accordion(
                           ledger_init())
 
   def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
-    require_whole_leaves("accordion")  # its decisions read per-tensor gradient norms
+    require_whole_leaves("accordion", shardable_compressors)  # its decisions read per-tensor gradient norms
     del params, extra
     leaves, treedef = jax.tree.flatten(updates)
     detector = state.detector

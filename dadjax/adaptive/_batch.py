@@ -54,6 +54,7 @@ from dadjax.adaptive._detector import (
     norm_bits,
 )
 from dadjax.comm import CommStats, bits_from_count, host_array, ledger_init, ledger_record
+from dadjax.compress import shardable_compressors
 
 
 class AccordionBatchState(NamedTuple):
@@ -148,7 +149,7 @@ def accordion_batch(
                                jnp.float32(-1.0), ledger_init())
 
   def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
-    require_whole_leaves("accordion_batch")  # its decisions read per-tensor gradient norms
+    require_whole_leaves("accordion_batch", shardable_compressors)  # its decisions read per-tensor gradient norms
     detector = state.detector
     lr = state.lr
     if lr_schedule is not None:

@@ -12,11 +12,12 @@ from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
 from dadjax.compress._powersgd import PowerSGDState, powersgd
 from dadjax.compress._quantize import qsgd, scaled_sign, sign, terngrad
 from dadjax.compress._sparse import randomk, topk
-from dadjax.compress._transform import CompressedState, compressed
+from dadjax.compress._transform import CompressedState, compressed, shardable_compressors
 from dadjax.registry import get_compressor
 
 # Besides __all__, the face carries what other families build on: the step's
-# Keys (step_keys, leaf_keys) and exchange. dadjax.extend documents them.
+# Keys (step_keys, leaf_keys), exchange and the list of shardable compressors.
+# dadjax.extend documents the first three.
 __all__ = [
     "Compressor",
     "EmptyState",

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax import registry
 from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
@@ -21,6 +22,20 @@ class CompressedState(NamedTuple):
   count: jax.Array
   inner: Any
   comm: CommStats
+
+
+def shardable_compressors() -> list[str]:
+  """The registered compressors whose ``shardable`` flag is set (built with their defaults).
+
+  Each compressor declares it once, on itself; ``ef(...)`` of one inherits it.
+  """
+  names = []
+  for entry in registry.entries("compressor"):
+    if any(a.required for a in entry.args):
+      continue
+    if registry.get_compressor(entry.name).shardable:
+      names.append(entry.name)
+  return names + ["ef(...) of these"]
 
 
 def compressed(
@@ -85,7 +100,7 @@ def compressed(
   def update_fn(updates, state, params=None):
     del params
     if not compressor.shardable:
-      require_whole_leaves(compressor.name or "this compressor")
+      require_whole_leaves(compressor.name or "this compressor", shardable_compressors)
     specs.check(updates)
     check_float_leaves(updates, "compressed")
     keys = step_keys(seed, state.count, axis_name)
