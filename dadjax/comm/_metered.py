@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._core.bits import Bits, as_bits, bits_add
+from dadjax._core.vma import vma
 from dadjax._tree_utils import tree_nbits
 from dadjax.comm._sites import gather_sites
 
@@ -68,7 +69,7 @@ def _calls(tree: Any) -> int:
 
 
 def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
-  """``collective`` applied once per dtype to all of ``tree``'s leaves of that dtype.
+  """``collective`` applied once per dtype to all of ``tree``'s leaves of that dtype (and type).
 
   The leaves of each dtype are flattened into one contiguous buffer (in leaf
   order), the collective runs on the buffer and the result is cut back into
@@ -81,7 +82,9 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
     return jax.tree.unflatten(treedef, [collective(x) for x in leaves])
   groups: dict = {}
   for i, x in enumerate(leaves):
-    groups.setdefault(jnp.result_type(x), []).append(i)
+    # One buffer per dtype and variance type: a leaf replicated within the site must not
+    # become varying by sharing a buffer with a sliced one (shard_map type checks).
+    groups.setdefault((jnp.result_type(x), vma(x)), []).append(i)
   out = [None] * len(leaves)
   for idx in groups.values():
     buffer = collective(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))
