@@ -183,8 +183,8 @@ def test_fp16_gradients_are_averaged_without_overflow(spec):
   want = 30000.0 if spec != "topk:0.5" else None
   assert _finite(out), spec
   if want is not None:
-    np.testing.assert_allclose(np.asarray(out["w"], np.float32), want, rtol=1e-3)
-    np.testing.assert_allclose(np.asarray(out["b"], np.float32), -want, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(out["w"], np.float32), want, rtol=1e-2)  # bf16 wire
+    np.testing.assert_allclose(np.asarray(out["b"], np.float32), -want, rtol=1e-2)
 
 
 def test_fp16_parameters_train_with_allreduce():
