@@ -60,7 +60,7 @@ def cast(dtype="bf16") -> Compressor:
 
   def compress_leaf(x, key):
     del key
-    if jnp.finfo(x.dtype).max > top:  # saturate: a finite gradient stays finite on the wire
+    if float(jnp.finfo(x.dtype).max) > top:  # saturate: a finite gradient stays finite on the wire
       x = jnp.clip(x, -top, top)
     return x.astype(wire)
 
