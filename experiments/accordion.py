@@ -245,8 +245,7 @@ def main(argv=None) -> int:
   spe = next(iter(next(iter(results.values())).values()))["runs"][0]["spe"]
   command = "python experiments/accordion.py " + " ".join(sys.argv[1:] if argv is None else argv)
   where = ("embedded digits" if not args.workload else
-           ", ".join(models[m].description for m in args.models)
-           + (" (quick sizes)" if args.quick else ""))
+           ", ".join(models[m].describe(args.quick) for m in args.models))
   metric = ("" if not args.workload else " The \"test acc\" column of a language model holds "
             "its test bits per byte (lower is better; the target then reads: Accordion's bits "
             "per byte at most 0.05 above static low).")

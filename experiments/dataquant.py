@@ -139,7 +139,7 @@ def mean_std(values) -> str:
 def task_table(model, results, target) -> tuple[str, dict]:
   if model in workloads.WORKLOADS:
     cfg = config_for(model, "allreduce", 0, 1, 1)
-    what = (f"{workloads.get(model).description} ({cfg.partition}), {cfg.num_sites} sites x "
+    what = (f"{workloads.get(model).describe(QUICK)} ({cfg.partition}), {cfg.num_sites} sites x "
             f"{cfg.batch_per_site} rows, lr {cfg.lr:g}")
   else:
     what = f"{MODELS[model][1]}, {SITES} sites x {ROWS} rows"

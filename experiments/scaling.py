@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     if wl.available():
       parser.error(f"--workload {args.workload}: {wl.available()}")
     base = wl.config(args.quick, latency=args.latency, backend="shard_map")
-    what = f"{wl.description}{' (quick sizes)' if args.quick else ''}, {base.model_kwargs}"
+    what = f"{wl.describe(args.quick)}"
   else:
     base = Config(latency=args.latency, model_kwargs={"hidden": hidden})
     what = f"digits MLP hidden={hidden}"

@@ -59,6 +59,10 @@ class Workload:
     fields.update(overrides)
     return Config(**fields)
 
+  def describe(self, quick: bool) -> str:
+    """The description, with the quick model sizes when ``quick``."""
+    return self.description + (f" (quick: {self.quick['model_kwargs']})" if quick else "")
+
   def target_for(self, quick: bool) -> float:
     return self.quick_target if quick else self.target
 
