@@ -21,14 +21,13 @@ from tqdm.auto import tqdm
 
 from dadjax import data as data_lib
 from dadjax import _peers, _signals, models
+from dadjax._core.report import collect_rows
 from dadjax._datacheck import check_dataset
 from dadjax._io import MetricsFile
-from dadjax.comm import (HierarchicalNetwork, NetworkModel, bits_to_int, comm_stats, host_array,
-                         report)
+from dadjax.comm import HierarchicalNetwork, NetworkModel, comm_stats, host_array, report
 from dadjax.checkpoint import CheckpointDir, truncate_metrics
 from dadjax import _optim
 from dadjax.config import Config, validate
-from dadjax.dad import accordion_rows
 from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError, Stopped
 from dadjax.methods import build_method
 from dadjax.parallel import TrainState, TrainStep, make_mesh, make_train_step
@@ -156,7 +155,8 @@ def build(config: Config):
   step_fn = make_train_step(model, method.optimizer(local_optimizer(config, schedule)), **placement,
                             backend=config.backend,
                             metrics_fn=data_lib.language_model_metrics if lm else None,
-                            batch_stage=getattr(method, "batch_stage", None))
+                            batch_stage=getattr(method, "batch_stage", None),
+                            collections=getattr(method, "collections", None))
   return dataset, parts, batcher, step_fn
 
 
@@ -371,51 +371,17 @@ def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
       "step_bits_per_step": comm_stats(state.comm).bits_per_step,
       "dense_bits_per_step": summary.dense_bits_per_step,
       "wall_s": seconds,
-      **_stage_costs(state.stage_state),
   }
-  row.update(state_rows(state.opt_state, step_fn.params(state)))
-  row.update(accordion_rows(state.model_state))  # rank-dAD layers under Accordion
+  row.update(step_fn.metrics_row(state))  # what the state's parts report (metrics_row)
   return row
 
 
-def _has_row(x) -> bool:
-  return callable(getattr(type(x), "metrics_row", None))
-
-
 def state_rows(opt_state: Any, params: Any) -> dict:
-  """The metrics of every part of an optimizer state that reports its own.
-
-  A state class (a ``NamedTuple``) with a ``metrics_row(params) -> dict``
-  method reports what it decided (e.g. Accordion's per-tensor decisions and
-  window norms); the train loop merges these into its rows.
+  """The merged ``metrics_row`` of every reporting part of an optimizer state
+  (:func:`dadjax._core.report.collect_rows`; e.g. Accordion's decisions).
 
   Args:
     opt_state: the optimizer state (stacked per site or not).
     params: one site's parameters (for tensor names).
-
-  Returns:
-    The merged dict of host values (empty when no part reports).
   """
-  row: dict = {}
-  for part in jax.tree.leaves(opt_state, is_leaf=_has_row):
-    if _has_row(part):
-      row.update(part.metrics_row(params))
-  return row
-
-
-def _stage_costs(stage_state) -> dict:
-  """A batch stage's own cost read-outs of the last step (largest site), if it keeps them.
-
-  ``useful_bits_per_step``: the bits of what was actually sent (gated rows);
-  ``stage_wire_bits_per_step``: what its compiled collectives move (padded);
-  ``backward_rows_per_step``: rows through a backward pass (compute cost).
-  """
-  out = {}
-  for field, key in (("useful_bits", "useful_bits_per_step"),
-                     ("wire_bits", "stage_wire_bits_per_step")):
-    value = getattr(stage_state, field, None)
-    if value is not None:
-      out[key] = max(np.atleast_1d(bits_to_int(value)).tolist())
-  if getattr(stage_state, "backward_rows", None) is not None:
-    out["backward_rows_per_step"] = int(np.max(host_array(stage_state.backward_rows)))
-  return out
+  return collect_rows(opt_state, params)

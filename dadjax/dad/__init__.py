@@ -48,6 +48,7 @@ from dadjax.dad._sync import (
     model_ledger,
     synchronize,
 )
+from dadjax.dad import _collection  # registers the "dad_state" collection rule
 
 # factorize, Factors, product_route, current_state, layer_bits and
 # layer_route stay importable from here; their documented home is dadjax.extend.

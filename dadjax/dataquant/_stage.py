@@ -51,13 +51,15 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dadjax._core.bits import (Bits, as_bits, bits_add, bits_const, bits_from_count, bits_sum,
                                bits_zero)
 from dadjax._core.packing import code_bits
 from dadjax._core.validate import check_int
 from dadjax._tree_utils import tree_nbits, tree_zeros_like
-from dadjax.comm import NO_TRAFFIC, Traffic, axis_size, metered_all_gather, traffic_add
+from dadjax.comm import (NO_TRAFFIC, Traffic, axis_size, bits_to_int, host_array,
+                         metered_all_gather, traffic_add)
 from dadjax.compress import Compressor, Keys, exchange
 from dadjax.registry import get_compressor
 from dadjax.dataquant._codebook import (decode_codebook, encode_codebook, fit_codebook,
@@ -101,6 +103,17 @@ class DataQuantState(NamedTuple):
   wire_bits: Bits
   backward_rows: jax.Array
   correction_active: jax.Array
+
+  def metrics_row(self) -> dict:
+    """The last step's costs (largest site) for the train loop's rows.
+
+    ``useful_bits_per_step``: the bits of what was actually sent (gated
+    rows); ``stage_wire_bits_per_step``: what its compiled collectives move
+    (padded); ``backward_rows_per_step``: rows through a backward pass.
+    """
+    return {"useful_bits_per_step": max(np.atleast_1d(bits_to_int(self.useful_bits)).tolist()),
+            "stage_wire_bits_per_step": max(np.atleast_1d(bits_to_int(self.wire_bits)).tolist()),
+            "backward_rows_per_step": int(np.max(host_array(self.backward_rows)))}
 
 
 def _where_bits(active, b) -> Bits:

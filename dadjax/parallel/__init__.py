@@ -10,24 +10,15 @@ from dadjax.parallel._losses import (
     squared_error_rows,
     stream_key,
 )
+from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
+from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
+from dadjax.parallel._insite import shard_dims
+from dadjax.parallel._losses import softmax_cross_entropy
+from dadjax.parallel._make import make_train_step
 from dadjax.parallel._mesh import initialize, make_mesh
-from dadjax.parallel._step import (
-    BACKENDS,
-    COMM_COLLECTION,
-    LocalGradients,
-    STATE_COLLECTION,
-    TrainState,
-    TrainStep,
-    grad_result,
-    keep_unused_state,
-    local_gradients,
-    make_train_step,
-    shard_dims,
-    site_keys,
-    softmax_cross_entropy,
-    stack_sites,
-    unstack_site,
-)
+from dadjax.parallel._placement import BACKENDS, Mesh, Pmap, Vmap
+from dadjax.parallel._state import TrainState, site_keys, stack_sites, unstack_site
+from dadjax.parallel._step import TrainStep
 
 __all__ = [
     "make_train_step",
@@ -35,6 +26,9 @@ __all__ = [
     "TrainStep",
     "TrainState",
     "BACKENDS",
+    "Vmap",
+    "Pmap",
+    "Mesh",
     "local_gradients",
     "LocalGradients",
     "softmax_cross_entropy",

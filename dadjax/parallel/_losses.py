@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
+from dadjax._core.collections import differentiated
+from dadjax.comm import COMM_COLLECTION
 
 MODEL_STATE = "model_state"
 
@@ -92,9 +93,10 @@ def model_loss(
   The model is applied as ``model.apply({"params": params, **variables},
   batch[input_key], train=train, rngs=..., mutable=...)`` (``train`` only
   when the module's ``__call__`` takes it). Every non-parameter collection
-  in ``variables`` except ``"dad_state"`` is passed as mutable, plus
-  ``"comm"`` (bits sown by dAD layers); the step keeps the ones it was told
-  are mutable. Each name in ``rng_streams`` gets ``stream_key(rng, name)``.
+  in ``variables`` is passed as mutable, except those whose registered
+  :class:`~dadjax._core.collections.CollectionRule` differentiates them
+  (``"dad_state"``), plus ``"comm"`` (bits sown by dAD layers); the step
+  keeps the ones it has a rule for. Each name in ``rng_streams`` gets ``stream_key(rng, name)``.
 
   Args:
     model: a Flax linen module.
@@ -112,8 +114,8 @@ def model_loss(
 
   def loss_fn(params, variables, batch, rng, train):
     variables = dict(variables or {})
-    mutable = [COMM_COLLECTION] + sorted(
-        k for k in variables if k not in ("params", STATE_COLLECTION, COMM_COLLECTION))
+    skip = ("params", COMM_COLLECTION, *differentiated())
+    mutable = [COMM_COLLECTION] + sorted(k for k in variables if k not in skip)
     kwargs = {"train": train} if pass_train else {}
     rngs = {name: stream_key(rng, name) for name in streams} if rng is not None else None
     outputs, updates = model.apply({"params": params, **variables}, batch[input_key],
