@@ -48,6 +48,13 @@ from dadjax.comm._ledger import FP32_BITS, CommSummary
 from dadjax.comm._wire import TOPOLOGIES, latency_messages, link_load, wire_bits
 
 
+def _sites(reduce_bits, gather_bits):
+  """``(reduce, gather)`` payload of each site (a one-entry tuple stands for every site)."""
+  n = max(len(reduce_bits), len(gather_bits))
+  pick = lambda bits, i: bits[i] if len(bits) > 1 else bits[0]
+  return [(pick(reduce_bits, i), pick(gather_bits, i)) for i in range(n)]
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportFit:
   """Fitted constants of a real ring transport, for :meth:`NetworkModel.calibrated`.
@@ -179,11 +186,15 @@ class NetworkModel:
         charge every call the ledger recorded.
 
     Returns:
-      Seconds.
+      Seconds of the slowest site (the one a synchronous step waits for):
+      the largest, over the sites, of that site's all-reduce time plus its
+      all-gather time. "Largest site" means the same as in
+      :attr:`~dadjax.comm.CommSummary.bits_per_step`: the site whose whole
+      step is largest, not the busiest site of each kind taken apart.
     """
     reduce_ops, gather_ops = self._ops(summary, ops)
-    return (self.allreduce_time(max(summary.reduce_bits), reduce_ops)
-            + self.allgather_time(max(summary.gather_bits), gather_ops))
+    return max(self.allreduce_time(r, reduce_ops) + self.allgather_time(g, gather_ops)
+               for r, g in _sites(summary.reduce_bits, summary.gather_bits))
 
   def peak_step_time(self, summary: CommSummary, ops: Any = None) -> float:
     """Modeled seconds of the busiest step's communication.
@@ -279,8 +290,8 @@ class HierarchicalNetwork:
       reduce_ops, gather_ops = summary.intra_reduce_calls, summary.intra_gather_calls
     else:
       reduce_ops, gather_ops = NetworkModel._ops(summary, ops)
-    return (self.intra.allreduce_time(max(summary.intra_reduce_bits), reduce_ops)
-            + self.intra.allgather_time(max(summary.intra_gather_bits), gather_ops))
+    return max(self.intra.allreduce_time(r, reduce_ops) + self.intra.allgather_time(g, gather_ops)
+               for r, g in _sites(summary.intra_reduce_bits, summary.intra_gather_bits))
 
   def inter_time(self, summary: CommSummary, ops: Any = None) -> float:
     """Seconds of the inter-site phase (the methods' collectives)."""

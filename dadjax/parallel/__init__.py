@@ -1,4 +1,10 @@
-"""Meshes, multi-host start-up, the SPMD train step and its loss functions."""
+"""Meshes, multi-host start-up, the SPMD train step and its loss functions.
+
+Placements (:class:`Vmap`, :class:`Pmap`, :class:`Mesh`) say where the sites
+run; :class:`CollectionRule` s (declared by a family with
+:func:`register_rule`, or passed as ``make_train_step(collections=...)``) say
+how the step updates a model-state collection.
+"""
 
 from dadjax.parallel._losses import (
     MODEL_STATE,
@@ -10,6 +16,7 @@ from dadjax.parallel._losses import (
     squared_error_rows,
     stream_key,
 )
+from dadjax._core.collections import CollectionRule, register_rule
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
 from dadjax.parallel._insite import shard_dims
@@ -29,6 +36,8 @@ __all__ = [
     "Vmap",
     "Pmap",
     "Mesh",
+    "CollectionRule",
+    "register_rule",
     "local_gradients",
     "LocalGradients",
     "softmax_cross_entropy",
