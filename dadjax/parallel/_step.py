@@ -15,7 +15,7 @@ import optax
 from dadjax._core import report
 from dadjax._core.collections import CollectionRule
 from dadjax.comm import COMM_COLLECTION, host_array, intra_ledger_init, ledger_init
-from dadjax.parallel import _inspect  # collectives, link_of
+from dadjax.parallel._inspect import collectives as _collectives, link_of as _link_of
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
@@ -157,7 +157,7 @@ class TrainStep:
         whose replica groups run along the site axis only, ``"intra"``
         those within one site (:meth:`link_of`).
     """
-    return _inspect.collectives(self._run, self.placement, state, self.place_batch(batch), link)
+    return _collectives(self._run, self.placement, state, self.place_batch(batch), link)
 
   def link_of(self, groups) -> str:
     """Which links a collective with these replica groups uses (shard_map backend).
@@ -172,7 +172,7 @@ class TrainStep:
       axis only), otherwise ``"mixed"``. On a 1-D mesh every collective
       with more than one device is ``"inter"``.
     """
-    return _inspect.link_of(self.placement, groups)
+    return _link_of(self.placement, groups)
 
   def params(self, state: TrainState, site: int = 0) -> Any:
     """One site's parameters to evaluate, as host arrays.
