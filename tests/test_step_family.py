@@ -91,19 +91,13 @@ TALLY = register_rule("tally", CollectionRule(
 def tally_method():
   name = "tally_mean"
 
-  def build(**context):
-    return Method("", tx=mean_sync(context.get("axis_name") or "data"), dense=TallyDense)
+  def build(ctx):
+    return Method("", tx=mean_sync(ctx.axis_name or "data"), dense=TallyDense,
+                  collections={"tally": TALLY})
 
-  try:
-    register_method(name, doc="Mean all-reduce with a row tally (test family).")(build)
-  except ValueError as e:  # already registered in this process
-    assert "already registered" in str(e)
+  register_method(name, doc="Mean all-reduce with a row tally (test family).")(build)
   yield name
-  if hasattr(registry, "_unregister"):
-    try:
-      registry._unregister("method", name)  # pylint: disable=protected-access
-    except KeyError:
-      pass
+  registry.unregister("method", name)
 
 
 def _data(rows, seed=0, features=6, classes=3):
