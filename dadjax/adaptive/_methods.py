@@ -6,6 +6,7 @@ import functools
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from dadjax.adaptive._accordion import accordion
@@ -44,7 +45,8 @@ def payload_bits(compressor: Any, shapes: dict | None = None) -> int:
   probe = {k: jnp.cos(jnp.arange(math.prod(s), dtype=jnp.float32)).reshape(s)
            for k, s in shapes.items()}
   tx = compressed(compressor, axis_name=None)
-  _, state = tx.update(probe, tx.init(probe), probe)
+  # jitted: op-by-op dispatch of a quantizer's many small ops costs seconds per build
+  _, state = jax.jit(tx.update)(probe, tx.init(probe), probe)
   return comm_stats(state).bits_per_step
 
 
