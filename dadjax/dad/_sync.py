@@ -298,6 +298,7 @@ def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int, int | None]:
 class SynchronizeState(NamedTuple):
   """State of :func:`synchronize`: the dAD ledger and ``other``'s state."""
 
+  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.marks)
   comm: CommStats
   other: Any
 
@@ -391,6 +392,7 @@ def synchronize(
 
 
 class ModelLedgerState(NamedTuple):
+  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.marks)
   comm: CommStats
 
 

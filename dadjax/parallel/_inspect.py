@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dadjax.comm import hlo_collectives
+from dadjax.comm import comm_stats, hlo_collectives
 
 
 def compiled_text(run, state, placed_batch) -> str:
@@ -36,3 +36,51 @@ def link_of(placement, groups) -> str:
   if all(all(len(set(c[d])) == 1 for d in others) for c in coords):
     return "inter"
   return "mixed"
+
+
+def program_bits(run, state, placed_batch) -> tuple[int, int]:
+  """``(unconditional, all)`` operand bits of the step program's collectives, per device.
+
+  Read from the lowered, not yet optimized program (``lower(...).as_text("hlo")``):
+  one lowering, no compilation, and the operands as traced (before XLA widens
+  16-bit all-reduces on CPU or combines ops). Ops under ``lax.cond`` are in
+  ``all`` only.
+  """
+  ops = hlo_collectives(run.lower(state, placed_batch).as_text(dialect="hlo"))
+  total = 8 * sum(ops.nbytes.values())
+  return total - 8 * sum(ops.conditional_nbytes.values()), total
+
+
+def booked_bits(state) -> tuple[tuple[int, ...], int]:
+  """``(total bits per site since the start, in-site bits of the last step)`` of every ledger."""
+  summary = comm_stats(state)
+  return summary.total_bits, summary.intra_bits_per_step
+
+
+def booked_in_step(before, after) -> int:
+  """Bits the ledgers booked between two :func:`booked_bits` read-outs (largest site)."""
+  (totals_0, _), (totals_1, intra) = before, after
+  width = max(len(totals_0), len(totals_1))
+  pick = lambda t, i: t[i] if len(t) > 1 else t[0]
+  return max(pick(totals_1, i) - pick(totals_0, i) for i in range(width)) + intra
+
+
+def check_ledger(program: tuple[int, int], before, after) -> int:
+  """Raise if the program's unconditional collectives move more than the ledgers booked.
+
+  ``before`` / ``after``: :func:`booked_bits` of the state before and after
+  the first step. The ledger may book more than the program text shows
+  (collectives in a loop body appear once, taken ``lax.cond`` branches are
+  not counted as unconditional), never less: every collective the step
+  runs unconditionally must be booked. Returns the booked bits.
+  """
+  booked = booked_in_step(before, after)
+  unconditional, _ = program
+  if unconditional > booked:
+    raise ValueError(
+        f"the step's collectives move {unconditional} bits per device per step, but its ledgers "
+        f"booked {booked} bits for the first step: {unconditional - booked} bits of traffic are "
+        "not booked (a transformation or a model that communicates without recording it). "
+        "Record it with dadjax.comm's metered collectives and ledger_record; "
+        "make_train_step(..., check_ledger=False) skips this check")
+  return booked

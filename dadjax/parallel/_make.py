@@ -45,7 +45,9 @@ QSGD's buckets, PowerSGD's matrices, Accordion) raise a ``ValueError``
 naming the method when the step is first traced; a batch stage is refused.
 Optax transformations that reduce over a whole tensor or tree
 (``clip_by_global_norm``, LAMB's trust ratio, Adafactor's factored moments)
-would see only the device's slice: leave them out with sharded parameters.
+would see only the device's slice: the step refuses those optax exposes
+(:data:`~dadjax.parallel._checks.WHOLE_TENSOR`, found by the names of their
+update functions); leave out any other such transformation.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import optax
 
 from dadjax._core.collections import CollectionRule, resolve_rules
 from dadjax.comm import COMM_COLLECTION
+from dadjax.parallel._checks import check_sharded_tx
 from dadjax.parallel._gradient import _split_aux
 from dadjax.parallel._losses import LossFn, MetricsFn, classification_loss, default_metrics
 from dadjax.parallel._placement import placement_of
@@ -103,6 +106,8 @@ def make_train_step(
     shard_params: bool = False,
     donate: bool = False,
     collections: Mapping[str, CollectionRule] | None = None,
+    allow_local: bool = False,
+    check_ledger: bool = True,
 ) -> TrainStep:
   """Build the jitted SPMD training step.
 
@@ -139,6 +144,24 @@ def make_train_step(
     donate: donate the input state's buffers to the output.
     collections: ``{name: CollectionRule}`` adding to or overriding the
       registered rules (:mod:`dadjax._core.collections`) for this step.
+    allow_local: train without a communicating transformation while
+      ``num_sites > 1`` (the sites train apart, on purpose); default
+      ``False`` refuses it.
+    check_ledger: on the first step of each state layout, compare the
+      program's collective bits with what the ledgers booked and raise if
+      traffic went unbooked (:meth:`TrainStep.ledger_check`; one lowering of
+      the program, no second compilation; skipped under ``vmap``, whose
+      program has no collective ops).
+
+  Refused setups (:mod:`dadjax.parallel._checks`, each error names the fix):
+  ``optax.MultiSteps`` around a communicating transformation (use
+  :func:`dadjax.accumulate`), no communicating transformation with several
+  sites, a communicating transformation after a per-site stateful one, a
+  model that communicates in its backward pass (dAD layers) without a
+  transformation booking it, a collective on an axis the step does not
+  have, and ``shard_params=True`` with optax transformations that reduce
+  over whole tensors (``clip_by_global_norm``, LAMB's trust ratio,
+  Adafactor).
 
   Returns:
     A :class:`TrainStep`.
@@ -160,10 +183,16 @@ def make_train_step(
   if placement.shard_params and batch_stage is not None:
     raise ValueError("shard_params=True does not support a batch_stage (its gradient "
                      "correction and gate need whole gradients); use shard_params=False")
+  if placement.shard_params:
+    check_sharded_tx(tx)
+  for name, flag in (("allow_local", allow_local), ("check_ledger", check_ledger)):
+    if not isinstance(flag, bool):
+      raise ValueError(f"{name} must be a bool, got {flag!r}")
   rules = resolve_rules(mutable, average, collections)
   loss_fn = classification_loss(model) if loss_fn is None else loss_fn
   metrics_fn = default_metrics if metrics_fn is None else metrics_fn
-  recipe = Recipe(tx, loss_fn, metrics_fn, rules, batch_stage, axis_name)
+  recipe = Recipe(tx, loss_fn, metrics_fn, rules, batch_stage, axis_name, placement.num_sites,
+                  allow_local)
   run = placement.compile(site_program(recipe), donate)
   return TrainStep(model, tx, loss_fn, metrics_fn, placement, rules, batch_stage, run,
-                   _eval_fn(loss_fn, metrics_fn), mutable, average)
+                   _eval_fn(loss_fn, metrics_fn), mutable, average, allow_local, check_ledger)

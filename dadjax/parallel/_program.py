@@ -29,6 +29,7 @@ from dadjax.comm import (
     traffic_add,
     tree_dense_bits,
 )
+from dadjax.parallel._checks import check_model_comm, check_opt_state, unbound_axis
 from dadjax.parallel._gradient import _split_aux, grad_result
 from dadjax.parallel._insite import InSite
 from dadjax.parallel._losses import LossFn, MetricsFn
@@ -45,6 +46,8 @@ class Recipe(NamedTuple):
   rules: Mapping  # collection name -> CollectionRule
   batch_stage: BatchStage | None
   axis_name: str
+  num_sites: int = 1
+  allow_local: bool = False  # no communicating transformation on purpose
 
 
 class Local(NamedTuple):
@@ -128,17 +131,30 @@ def site_program(r: Recipe) -> Callable[[InSite], Callable]:
   def build(in_site: InSite):
 
     def site_step(state: TrainState, batch):
-      local = local_gradient(r, in_site, state, batch)
-      grads, model_state, stage_state, intra = reduce_in_site(in_site, state, local, r.rules)
-      params, opt_state = apply_tx(r.tx, in_site, state, grads, local.result.extra_args)
-      model_state, sync_traffic = sync_collections(r, model_state)
-      metrics, metrics_traffic, metrics_intra = site_metrics(r, in_site, local.result, batch)
-      traffic = traffic_add(local.traffic, sync_traffic, metrics_traffic)
-      comm, intra_comm = ledgers(r, in_site, state, local.result, traffic,
-                                 traffic_add(intra, metrics_intra))
-      return TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
-                        stage_state, intra_comm), metrics
+      check_opt_state(state.opt_state, num_sites=r.num_sites, axis_name=r.axis_name,
+                      stage=r.batch_stage is not None, allow_local=r.allow_local)
+      try:
+        return _site_step(r, in_site, state, batch)
+      except NameError as e:
+        if "unbound axis" not in str(e):
+          raise
+        raise unbound_axis(e, r.axis_name) from e
 
     return site_step
 
   return build
+
+
+def _site_step(r: Recipe, in_site: InSite, state: TrainState, batch):
+  """One step of one site (:func:`site_program`)."""
+  local = local_gradient(r, in_site, state, batch)
+  check_model_comm(local.result.extra_args, state.opt_state)
+  grads, model_state, stage_state, intra = reduce_in_site(in_site, state, local, r.rules)
+  params, opt_state = apply_tx(r.tx, in_site, state, grads, local.result.extra_args)
+  model_state, sync_traffic = sync_collections(r, model_state)
+  metrics, metrics_traffic, metrics_intra = site_metrics(r, in_site, local.result, batch)
+  traffic = traffic_add(local.traffic, sync_traffic, metrics_traffic)
+  comm, intra_comm = ledgers(r, in_site, state, local.result, traffic,
+                             traffic_add(intra, metrics_intra))
+  return TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
+                    stage_state, intra_comm), metrics

@@ -15,7 +15,10 @@ import optax
 from dadjax._core import report
 from dadjax._core.collections import CollectionRule
 from dadjax.comm import COMM_COLLECTION, host_array, intra_ledger_init, ledger_init
-from dadjax.parallel._inspect import collectives as _collectives, link_of as _link_of
+from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger as _check_ledger,
+                                      collectives as _collectives, link_of as _link_of,
+                                      program_bits as _program_bits)
+from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
@@ -46,6 +49,9 @@ class TrainStep:
   _eval: Callable
   mutable: tuple[str, ...] = ()
   average: tuple[str, ...] = ()
+  allow_local: bool = False
+  check_ledger: bool = True
+  _checked: set = dataclasses.field(default_factory=set, repr=False, compare=False)
 
   num_sites = property(lambda self: self.placement.num_sites)
   axis_name = property(lambda self: self.placement.axis_name)
@@ -77,7 +83,10 @@ class TrainStep:
                        f"it has {sorted(variables)}")
     base = key_data(jax.random.fold_in(key, TAG_BASE))
     stage_state = self.batch_stage.init(params) if self.batch_stage is not None else None
-    state = TrainState(np.zeros((), np.int32), params, self.tx.init(params), variables, base,
+    opt_state = self.tx.init(params)
+    check_opt_state(opt_state, num_sites=self.num_sites, axis_name=self.axis_name,
+                    stage=self.batch_stage is not None, allow_local=self.allow_local)
+    state = TrainState(np.zeros((), np.int32), params, opt_state, variables, base,
                        ledger_init(), stage_state,
                        intra_ledger_init() if self.inner_axes else None)
     return self.place(stack_sites(state, self.num_sites))
@@ -128,11 +137,53 @@ class TrainStep:
             f"{where}; use a multiple of {units}")
 
   def __call__(self, state: TrainState, batch: Any):
-    return self._run(state, self.place_batch(batch))
+    return self.run(state, self.place_batch(batch))
 
   def run(self, state: TrainState, placed_batch: Any):
-    """One step on a batch already placed by :meth:`place_batch` (timing loops)."""
-    return self._run(state, placed_batch)
+    """One step on a batch already placed by :meth:`place_batch` (timing loops).
+
+    The first step of each state and batch layout is checked against the
+    program (``check_ledger``; :meth:`ledger_check`).
+    """
+    if not self.check_ledger or self.backend == "vmap":
+      return self._run(state, placed_batch)
+    key = jax.tree.structure((state, placed_batch)), tuple(
+        np.shape(x) for x in jax.tree.leaves((state, placed_batch)))
+    if key in self._checked:
+      return self._run(state, placed_batch)
+    program = _program_bits(self._run, state, placed_batch)
+    before = _booked_bits(state)
+    out = self._run(state, placed_batch)
+    _check_ledger(program, before, _booked_bits(out[0]))
+    self._checked.add(key)
+    return out
+
+  def ledger_check(self, state: TrainState, batch: Any) -> dict:
+    """Run one step and compare the program's collective bits with what its ledgers booked.
+
+    The check ``run`` does on the first step of each layout (on by default,
+    ``make_train_step(check_ledger=False)`` turns it off; ``vmap`` has no
+    collective ops to read): the operand bits of the step program's
+    collectives outside ``lax.cond`` (read from the lowered program: one
+    lowering, no second compilation) must not exceed the bits every ledger
+    of the state booked in that step (inter-site and in-site, per device).
+    The ledger may book more than the program text shows (ops in a loop body
+    appear once; a taken conditional branch), so a lower program count is
+    not an error.
+
+    Returns:
+      ``{"program_bits": unconditional, "program_bits_all": with conditional
+      branches, "booked_bits": booked in the step}``.
+
+    Raises:
+      ValueError: the program moves more than was booked (both figures named).
+    """
+    placed = self.place_batch(batch)
+    program = _program_bits(self._run, state, placed)
+    before = _booked_bits(state)
+    new_state, _ = self._run(state, placed)
+    booked = _check_ledger(program, before, _booked_bits(new_state))
+    return {"program_bits": program[0], "program_bits_all": program[1], "booked_bits": booked}
 
   def place_batch(self, batch: Any) -> Any:
     """Check a global host batch and put it where this placement expects it."""
