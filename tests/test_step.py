@@ -101,9 +101,9 @@ def test_batch_stats_per_site_and_their_ledger():
 # -- dropout and rngs ------------------------------------------------------------
 
 
-def _dropout_step(tx, backend="vmap"):
+def _dropout_step(tx, backend="vmap", **kwargs):
   model = models.MLP(hidden=(32,), num_classes=10, dropout=0.5)
-  return dadjax.make_train_step(model, tx, num_sites=SITES, backend=backend)
+  return dadjax.make_train_step(model, tx, num_sites=SITES, backend=backend, **kwargs)
 
 
 def test_dropout_masks_differ_per_site_and_eval_is_deterministic():
@@ -111,7 +111,7 @@ def test_dropout_masks_differ_per_site_and_eval_is_deterministic():
   # through their dropout masks.
   x, y = _images(8)
   batch = {"x": np.tile(x, (SITES, 1, 1, 1)), "y": np.tile(y, SITES)}
-  step = _dropout_step(optax.sgd(0.1))
+  step = _dropout_step(optax.sgd(0.1), allow_local=True)  # apart on purpose
   state = step.init(jax.random.key(0), x)
   state, _ = step(state, batch)
   p = _host(state.params)

@@ -157,9 +157,16 @@ def test_ledger_check_passes_for_methods(spec):
   assert out["program_bits"] <= out["booked_bits"]
 
 
+# the registered entries that need arguments, with one example each
+_WITH_ARGS = {"accordion": "accordion(powersgd:2,powersgd:1)",
+              "accordion_batch": "accordion_batch(allreduce)", "ef": "ef(topk:0.1)",
+              "accordion_rank_dad": "accordion_rank_dad(2,1)"}
+
+
 def _method_specs():
-  return [e.name for kind in ("method", "compressor") for e in registry.entries(kind)
-          if not any(a.required for a in e.args)]
+  return [_WITH_ARGS.get(e.name, e.name) for kind in ("method", "compressor")
+          for e in registry.entries(kind)
+          if e.name in _WITH_ARGS or not any(a.required for a in e.args)]
 
 
 @pytest.mark.slow

@@ -2,10 +2,10 @@
 
 ``optax.MultiSteps`` evaluates its inner transformation on every
 micro-step and keeps the result only on the k-th, so a collective inside
-it runs k times per optimizer step (and under ``shard_map(check_vma=True)``
-``MultiSteps(chain(dadjax.allreduce("data"), ...))`` fails to trace: its
-``cond`` branches return values of different variance types). Use
-:func:`accumulate` instead: it sums the local gradients over the
+it runs k times per optimizer step while its ledger books it once: the
+train step refuses ``MultiSteps`` around a dadjax communicating
+transformation with an error pointing here. Use :func:`accumulate`
+instead: it sums the local gradients over the
 micro-steps and runs the inner transformation, collective included, only
 on the k-th, under ``lax.cond``.
 """

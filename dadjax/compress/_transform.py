@@ -56,9 +56,11 @@ def compressed(
   ``site`` key per site, further separated per method and leaf path.
 
   Composes like any optax transformation, e.g. ``optax.chain(compressed(
-  topk(0.01)), optax.sgd(0.1, momentum=0.9))``, inside ``optax.MultiSteps``
-  or with ``optax.partition`` / ``optax.masked`` to treat some leaves
-  differently.
+  topk(0.01)), optax.sgd(0.1, momentum=0.9))``, inside
+  :func:`dadjax.accumulate` for gradient accumulation (the train step
+  refuses ``optax.MultiSteps`` around it: its collective would run on every
+  micro-step and be booked once), or with ``optax.partition`` /
+  ``optax.masked`` to treat some leaves differently.
 
   Args:
     compressor: a :class:`~dadjax.compress.Compressor`, e.g.

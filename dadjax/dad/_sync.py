@@ -334,7 +334,7 @@ def synchronize(
           optax.chain(synchronize(mask, record_model_comm=False), opt), k))
 
   (``optax.MultiSteps`` instead runs ``other``'s collective on every
-  micro-step, and under ``shard_map(check_vma=True)`` it does not trace.)
+  micro-step and books it once; the train step refuses it.)
 
   Args:
     mask: pytree of bools over the parameters (:func:`layer_mask`), or a
