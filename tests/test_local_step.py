@@ -88,7 +88,8 @@ def test_pseudo_gradient_collective_only_in_the_sync_branch(runs, backend):
 def test_between_syncs_sites_differ_and_evaluation_reads_the_anchor(runs):
   ts, _, _ = runs["vmap"]
   state = _train(ts, H + 1)  # one inner step after a synchronization
-  site0, site1 = ts.params(state, 0), ts.params(state, 1)
+  # the sites' own parameters (ts.params reads the evaluation parameters: the anchor)
+  site0, site1 = (dadjax.parallel.unstack_site(state.params, s) for s in (0, 1))
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(site0),
                                                       jax.tree.leaves(site1)))
   anchor = state.opt_state.evaluation_params(state.params)

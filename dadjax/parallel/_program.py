@@ -148,9 +148,9 @@ def site_program(r: Recipe) -> Callable[[InSite], Callable]:
 def _site_step(r: Recipe, in_site: InSite, state: TrainState, batch):
   """One step of one site (:func:`site_program`)."""
   local = local_gradient(r, in_site, state, batch)
-  check_model_comm(local.result.extra_args, state.opt_state)
   grads, model_state, stage_state, intra = reduce_in_site(in_site, state, local, r.rules)
   params, opt_state = apply_tx(r.tx, in_site, state, grads, local.result.extra_args)
+  check_model_comm(local.result.extra_args, state.opt_state)  # after a family's own refusal
   model_state, sync_traffic = sync_collections(r, model_state)
   metrics, metrics_traffic, metrics_intra = site_metrics(r, in_site, local.result, batch)
   traffic = traffic_add(local.traffic, sync_traffic, metrics_traffic)
