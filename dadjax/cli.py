@@ -38,6 +38,44 @@ def _plugin_flag(parser: argparse.ArgumentParser) -> None:
                       "packages' dadjax.methods entry points load by themselves")
 
 
+def _distributed_flags(parser: argparse.ArgumentParser) -> None:
+  """Many processes (hosts): flags for ``dadjax.initialize``, not config fields."""
+  group = parser.add_argument_group(
+      "many processes", "start JAX's multi-process runtime (dadjax.initialize) before training; "
+      "every process runs the same command with its own --process-id")
+  group.add_argument("--distributed", choices=("auto",),
+                     help="auto: JAX's cluster detection (TPU pod, SLURM, Open MPI) fills in the "
+                     "coordinator, process count and rank not given below")
+  group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+  group.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+  group.add_argument("--process-id", type=int, metavar="I", help="this process's rank in [0, N)")
+
+
+def _distributed(args: argparse.Namespace) -> bool:
+  """Call ``dadjax.initialize`` when the command line asks for many processes."""
+  explicit = (args.coordinator, args.num_processes, args.process_id)
+  if args.distributed is None and all(v is None for v in explicit):
+    return False
+  if args.coordinator is not None and (":" not in args.coordinator
+                                       or not args.coordinator.rsplit(":", 1)[1].isdigit()):
+    raise DadjaxError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+  if args.num_processes is not None and args.num_processes < 1:
+    raise DadjaxError(f"--num-processes must be >= 1, got {args.num_processes}")
+  if args.process_id is not None and (
+      args.process_id < 0
+      or (args.num_processes is not None and args.process_id >= args.num_processes)):
+    bound = "N" if args.num_processes is None else args.num_processes
+    raise DadjaxError(f"--process-id must be in [0, {bound}), got {args.process_id}")
+  from dadjax.parallel import initialize  # pylint: disable=g-import-not-at-top
+  try:
+    initialize(*explicit)  # gloo collectives on CPU; NCCL / ICI need nothing more
+  except (ValueError, RuntimeError) as e:
+    raise DadjaxError(f"cannot start the multi-process runtime ({e}); give --coordinator, "
+                      "--num-processes and --process-id, or run under a cluster JAX detects "
+                      "(--distributed auto)") from None
+  return True
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="dadjax", description=__doc__.splitlines()[0])
   parser.add_argument("--debug", action="store_true",
@@ -50,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
   _plugin_flag(p_train)
   p_train.add_argument("--restart", action="store_true",
                        help="delete the checkpoints in checkpoint_dir and start from step 0")
+  _distributed_flags(p_train)
   p_train.set_defaults(handler=_train)
   _debug_flag(p_train)
   p_demo = sub.add_parser("demo", help="every method on the embedded digits over 8 sites")
@@ -132,8 +171,11 @@ def _plot(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
   config = load_config(args.config, args.overrides)
-  # Read the config first: shard_map over num_sites sites needs that many devices.
-  _simulate_devices(max(DEFAULT_DEVICES, config.num_sites * config.per_site))
+  # Many processes: each brings its own devices (on CPU: XLA_FLAGS' device count).
+  many = _distributed(args)
+  if not many:
+    # Read the config first: shard_map over num_sites sites needs that many devices.
+    _simulate_devices(max(DEFAULT_DEVICES, config.num_sites * config.per_site))
   from dadjax._io import json_row  # pylint: disable=g-import-not-at-top
   from dadjax.train import train  # pylint: disable=g-import-not-at-top
   printed = []
@@ -145,6 +187,9 @@ def _train(args: argparse.Namespace) -> int:
   run = train(config, progress=not args.no_progress, restart=args.restart, log=log)
   if run.history and (not printed or printed[-1] is not run.final):
     print(json_row(run.final))  # a resumed run that had finished logs nothing new
+  if many:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.shutdown()
   return 0
 
 
