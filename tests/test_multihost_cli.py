@@ -73,3 +73,11 @@ def test_bad_distributed_flags_are_one_line_errors(flags, message, capsys):
   from dadjax.cli import main
   assert main(["train", *flags, *OVERRIDES]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_distributed_auto_outside_a_cluster_is_a_one_line_error():
+  p = subprocess.run([sys.executable, "-m", "dadjax.cli", "train", "--distributed", "auto",
+                      "--no-progress", "steps=1"], env=_env(None), capture_output=True, text=True,
+                     timeout=120)
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert "dadjax: error: cannot start the multi-process runtime" in p.stderr
