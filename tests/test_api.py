@@ -238,8 +238,6 @@ def _family_imports(path: pathlib.Path) -> list[str]:
                  if i == f"dadjax.{f}" or i.startswith(f"dadjax.{f}.")})
 
 
-@pytest.mark.xfail(strict=False, reason="the train step still imports dAD's state rule and "
-                   "collection names; passes once the step takes collection rules from methods")
 def test_the_step_and_the_loop_import_no_family():
   files = sorted((PACKAGE / "parallel").rglob("*.py")) + [PACKAGE / "train.py"]
   bad = {str(p.relative_to(ROOT)): _family_imports(p) for p in files if _family_imports(p)}
