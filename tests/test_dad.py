@@ -261,7 +261,7 @@ def test_backends_agree_rank_dad_with_state():
   assert dadjax.comm_stats(ref.opt_state).total == 2 * per_step
 
 
-def test_gradient_accumulation_multisteps_equals_big_batch():
+def test_gradient_accumulation_equals_big_batch():
   k, b = 2, 3
   x, y = _data((SITES * k * b, 12), classes=5)
   xs, ys = x.reshape(SITES, k, b, 12), y.reshape(SITES, k, b)
@@ -272,8 +272,8 @@ def test_gradient_accumulation_multisteps_equals_big_batch():
                   [{"x": x, "y": y}])
   tx = optax.chain(
       dad.model_ledger(),
-      optax.MultiSteps(optax.chain(dad.synchronize(mask, record_model_comm=False), optax.sgd(1.0)),
-                       k).gradient_transformation())
+      dadjax.accumulate(optax.chain(dad.synchronize(mask, record_model_comm=False),
+                                    optax.sgd(1.0)), k))  # the step refuses optax.MultiSteps
   acc, _ = _train(model, tx, micro, sample=x[:b])
   _assert_trees_close(_params(big), _params(acc))
   # Every microbatch gathered its rows: k * b rows' worth in total, as the big batch.
