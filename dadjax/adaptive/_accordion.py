@@ -98,6 +98,9 @@ def accordion(
 ) -> optax.GradientTransformationExtraArgs:
   """Accordion: compress with ``low`` in critical regimes and ``high`` elsewhere.
 
+  Long because it is one optax factory: its init/update closures share the two settings, the
+  detector and the per-tensor switch.
+
   Per tensor with ndim >= 2 (a one-leaf tree given to
   :func:`dadjax.compress.exchange`): ``low`` when the detector marks it
   critical, else ``high``. Tensors with ndim <= 1 go through one fp32

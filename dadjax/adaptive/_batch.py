@@ -108,6 +108,8 @@ def accordion_batch(
 ) -> optax.GradientTransformationExtraArgs:
   """Switch the global batch between ``small`` and ``large`` micro-batches.
 
+  Long because of its docstring; the code is an optax factory with init/update closures.
+
   Args:
     tx: the transformation applied once per cycle to the mean of the
       accumulated gradients; it communicates (e.g. ``optax.chain(

@@ -90,6 +90,9 @@ def powersgd(
 ) -> Compressor:
   """PowerSGD: low-rank gradient compression by distributed power iteration.
 
+  Long because it is one compressor factory: its compress/exchange closures share rank, warm start
+  and the error-feedback memory.
+
   Each tensor with at least 2 dimensions is viewed as a matrix ``M`` of
   shape ``(prod(shape[:-1]), shape[-1])`` (a conv kernel (kh, kw, cin,
   cout) becomes (kh*kw*cin, cout)). One power iteration (per ``iters``):

@@ -107,6 +107,8 @@ def factorize(
 ) -> Factors:
   """Rank-``rank`` factorization of ``G = a.T @ d (+ memory)`` by deflated power iteration.
 
+  Long because of its docstring (the structured power iteration's contract); the code is one loop.
+
   Component k starts from ``init[:, k]`` (a warm start) when that column is
   non-zero, else from a normal vector drawn from ``fold_in(key, k)``; the
   start is orthogonalized against the components already found and then

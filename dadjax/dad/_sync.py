@@ -312,6 +312,8 @@ def synchronize(
 ) -> optax.GradientTransformationExtraArgs:
   """Synchronize a dAD model's gradients: dAD leaves pass, the rest go to ``other``.
 
+  Long because of its docstring; the code is an optax factory with init/update closures.
+
   Put it first in the optimizer chain, where ``dadjax.allreduce`` would go::
 
       mask = dadjax.dad.layer_mask(model, x_site)

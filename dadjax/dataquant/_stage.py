@@ -141,6 +141,9 @@ def dataquant(
 ) -> BatchStage:
   """Data quantization with gradient correction and an importance gate.
 
+  Long because it is one stage factory: validation of its many options plus the closures (init,
+  apply) that share them.
+
   Args:
     bits: bits per code, in ``[1, 8]``; ``None`` sends the rows exactly, in
       their own dtype (no quantization). For ``quantizer="uniform"`` it is bits per
@@ -225,6 +228,10 @@ def dataquant(
     return grad_norm_scores(ctx.loss_fn, params, batch)
 
   def apply(ctx: StageContext, params, batch, state: DataQuantState) -> StageOutput:
+    """The stage's step: quantize, gather, correct and gate one site's batch.
+
+    Long because the steps share the gathered rows, scales and keys in one trace.
+    """
     if ctx.axis_name != axis_name:
       raise ValueError(f"dataquant was built for axis_name={axis_name!r} but the step runs it "
                        f"with axis_name={ctx.axis_name!r}")

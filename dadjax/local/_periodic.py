@@ -253,7 +253,11 @@ def local_updates(
     name: str = "local_updates",
 ) -> optax.GradientTransformationExtraArgs:
   """The general local-update transformation behind :func:`local_sgd`, :func:`diloco`
-  and :func:`streaming_diloco` (see those for the arguments)."""
+  and :func:`streaming_diloco` (see those for the arguments).
+
+  Long because it is one optax factory: init/update closures share the inner and outer
+  optimizers, the fragment plan and the exchange.
+  """
   inner = _check_inner(name, inner)
   if not isinstance(outer, optax.GradientTransformation):
     raise ValueError(f"{name}: outer must be an optax GradientTransformation (e.g. "

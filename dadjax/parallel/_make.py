@@ -111,6 +111,8 @@ def make_train_step(
 ) -> TrainStep:
   """Build the jitted SPMD training step.
 
+  Long because of its docstring (every argument and layout); the code only validates and assembles.
+
   Args:
     model: a Flax linen module (``init`` and the default loss use it).
     tx: any optax transformation; a dadjax communicating transformation in
