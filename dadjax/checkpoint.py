@@ -627,6 +627,27 @@ def stop_writer_threads(timeout_s: float = 5.0) -> list[str]:
   return [t.name for t in threads if t.is_alive()]
 
 
+def _drop_orbax_unraisables() -> None:
+  """Closing an orbax coroutine whose event loop already closed (a failed save's cancelled
+  writers, or a read abandoned with them) raises "Event loop is closed" in the coroutine's
+  cleanup, which Python prints as "Exception ignored in"; drop exactly those and pass every
+  other report on."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_dadjax_orbax_filter", False):
+    return
+
+  def hook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    if (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        and isinstance(unraisable.exc_value, RuntimeError)
+        and "closed" in str(unraisable.exc_value)):
+      return
+    previous(unraisable)
+
+  hook._dadjax_orbax_filter = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
 def _alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
@@ -667,3 +688,6 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
   tmp.write_text("".join(line + "\n" for line in kept))
   os.replace(tmp, path)
 
+
+
+_drop_orbax_unraisables()
