@@ -60,6 +60,7 @@ from orbax.checkpoint._src.path import step as step_lib
 from dadjax.comm import host_array
 from dadjax.config import Config
 from dadjax.errors import CheckpointError, DivergenceError
+from dadjax._core.procs import pid_alive
 
 __all__ = ["CheckpointDir", "Restored", "fingerprint", "state_digest", "truncate_metrics",
            "FINGERPRINT_EXCLUDED"]
@@ -290,7 +291,7 @@ class CheckpointDir:
           f"checkpoint_dir {str(self.directory)!r} is in use by pid {holder}; wait for that run "
           "to finish, stop it, or use another checkpoint_dir") from None
     previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
-    if previous.isdigit() and int(previous) != os.getpid() and not _alive(int(previous)):
+    if previous.isdigit() and int(previous) != os.getpid() and not pid_alive(int(previous)):
       self._say(f"taking over the lock of {self.directory} from pid {previous}, which is no "
                 "longer running (a run that was killed)")
     os.ftruncate(fd, 0)
@@ -648,16 +649,6 @@ def _drop_orbax_unraisables() -> None:
   sys.unraisablehook = hook
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def _file_id(st: os.stat_result) -> tuple[int, int]:
   return st.st_dev, st.st_ino
 
@@ -687,7 +678,6 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text("".join(line + "\n" for line in kept))
   os.replace(tmp, path)
-
 
 
 _drop_orbax_unraisables()

@@ -34,6 +34,7 @@ import threading
 import time
 
 from dadjax.errors import DadjaxError
+from dadjax._core.procs import pid_alive
 
 PREFIX = "dxl"
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
@@ -115,16 +116,6 @@ def _die_with_parent() -> None:
     pass
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def lab_namespaces(prefix: str = PREFIX) -> list[str]:
   """The namespaces on this host whose names look like a lab's of ``prefix``."""
   out = _run("ip", "netns", "list", check=False).stdout.split()
@@ -161,14 +152,14 @@ def sweep(prefix: str = PREFIX, include_alive: bool = False) -> list[str]:
   gone = []
   for ns in lab_namespaces(prefix):
     owner = _owner(ns, prefix)
-    if owner == os.getpid() or (_alive(owner) and not include_alive):
+    if owner == os.getpid() or (pid_alive(owner) and not include_alive):
       continue
     _kill_namespace_pids(ns)
     if _run("ip", "netns", "delete", ns, check=False).returncode == 0:
       gone.append(ns)
   for link in lab_links(prefix):
     owner = _owner(link, prefix)
-    if owner == os.getpid() or (_alive(owner) and not include_alive):
+    if owner == os.getpid() or (pid_alive(owner) and not include_alive):
       continue
     if _run("ip", "link", "delete", link, check=False).returncode == 0:
       gone.append(link)
