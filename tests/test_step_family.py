@@ -190,7 +190,9 @@ def test_parallel_modules_are_small():
     tree = ast.parse("\n".join(lines))
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        assert node.end_lineno - node.lineno + 1 <= 80, (f.name, node.name)
+        # over 80 lines only with a one-line reason in the docstring
+        long_ok = "Long because" in (ast.get_docstring(node) or "")
+        assert node.end_lineno - node.lineno + 1 <= 80 or long_ok, (f.name, node.name)
 
 
 # -- the reporting protocol ------------------------------------------------------------------
