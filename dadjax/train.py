@@ -3,7 +3,10 @@
 ``train(config)`` is the one entry point the CLI, the experiments and the
 notebooks use. Batches are a pure function of ``(seed, step)``
 (:class:`dadjax.data.SiteBatcher`), so the checkpointed step *is* the data
-position and a resumed run continues exactly where it stopped.
+position and a resumed run continues exactly where it stopped. Each site's
+rows depend only on ``(seed, site, step)``: on many processes each process
+samples and holds only the rows of its own sites (``TrainStep.local_sites``)
+and the global batch is assembled from them, equal to the one-process run's.
 """
 
 from __future__ import annotations
@@ -242,10 +245,13 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
              initial=start, total=config.steps, leave=False)
   t0 = time.perf_counter()
   metrics = ops = None
+  sites = step_fn.local_sites  # this process samples and holds only its own sites' rows
   try:
     for step in bar:
-      x, y = batcher.batch_at(step)
-      state, metrics = step_fn(state, {"x": x, "y": y})
+      x, y = batcher.batch_at(step, sites)
+      if step == start:
+        _report_rows(sites, x.shape, step_fn.num_sites)
+      state, metrics = step_fn(state, {"x": x, "y": y}, sites)
       done = step + 1
       log_now = done % config.eval_every == 0 or done == config.steps
       save_now = store is not None and (done % config.checkpoint_every == 0
@@ -254,7 +260,7 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
         _check_finite(metrics, done, config, store)
       if log_now:
         if ops is None:
-          ops = compiled_ops(step_fn, state, {"x": x, "y": y})
+          ops = compiled_ops(step_fn, state, {"x": x, "y": y}, sites)
         row = _log_row(config, step_fn, state, metrics, dataset, network, done,
                        wall0 + time.perf_counter() - t0, batcher.steps_per_epoch, ops)
         history.append(row)
@@ -330,20 +336,29 @@ def _check_finite(metrics, step: int, config: Config, store) -> None:
            else "no checkpoint was written"))
 
 
-def compiled_ops(step_fn: TrainStep, state, batch) -> tuple[Any, Any]:
+def compiled_ops(step_fn: TrainStep, state, batch, sites=None) -> tuple[Any, Any]:
   """``(ops, intra_ops)`` of the compiled step for :func:`dadjax.comm.report`, read once.
 
   The inter-site ops (every op on a 1-D mesh) and, on a 2-D mesh, the
   in-site ops. ``backend="vmap"`` simulates the sites on one device, so its
   program has no collective ops to read: ``(None, None)``, and the read-out
   charges latency per recorded call (its ``latency_per`` says so).
+  ``batch`` is the global batch, or the rows of ``sites`` only.
   """
   if step_fn.backend == "vmap":
     return None, None
   if step_fn.per_site > 1:
-    return (step_fn.collectives(state, batch, link="inter"),
-            step_fn.collectives(state, batch, link="intra"))
-  return step_fn.collectives(state, batch), None
+    return (step_fn.collectives(state, batch, link="inter", sites=sites),
+            step_fn.collectives(state, batch, link="intra", sites=sites))
+  return step_fn.collectives(state, batch, sites=sites), None
+
+
+def _report_rows(sites: tuple[int, ...], shape: tuple[int, ...], num_sites: int) -> None:
+  """On many processes, say (stderr, once) which sites' rows this process samples."""
+  if jax.process_count() > 1:
+    print(f"dadjax: process {jax.process_index()} of {jax.process_count()} samples the rows "
+          f"of sites {list(sites)} of {num_sites}: host batch {tuple(shape)} a step",
+          file=sys.stderr, flush=True)
 
 
 def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,

@@ -168,21 +168,45 @@ class SiteBatcher:
       self._perms[key] = self.parts[site][rng.permutation(len(self.parts[site]))]
     return self._perms[key]
 
-  def indices_at(self, step: int) -> np.ndarray:
-    """Global example indices of the batch at ``step`` (>= 0), shape
-    ``(global_batch,)``, site-major."""
+  def _sites(self, sites: Optional[Sequence[int]]) -> list:
+    if sites is None:
+      return list(range(self.num_sites))
+    out = [int(s) for s in sites]
+    bad = [s for s in out if not 0 <= s < self.num_sites]
+    if bad or len(set(out)) != len(out) or not out:
+      raise ValueError(f"sites must be distinct site ids in [0, {self.num_sites}), at least "
+                       f"one, got {list(sites)}.")
+    return out
+
+  def indices_at(self, step: int, sites: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Example indices of the batch at ``step`` (>= 0), site-major.
+
+    Args:
+      step: the step, >= 0.
+      sites: the sites whose rows to draw, in this order (default: every
+        site, ``0 .. num_sites - 1``). Each site's rows depend only on
+        ``(seed, site, step)``, so the rows of ``sites`` are exactly those
+        sites' blocks of the global batch: a process feeding some sites
+        samples only theirs.
+
+    Returns:
+      Shape ``(len(sites) * batch_per_site,)``.
+    """
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}.")
     b, out = self.batch_per_site, []
-    for s, p in enumerate(self.parts):
+    for s in self._sites(sites):
+      p = self.parts[s]
       pos = step * b + np.arange(b)
       r, off = np.divmod(pos, len(p))
       out.append(np.concatenate([self._perm(s, int(q))[off[r == q]] for q in np.unique(r)]))
     return np.concatenate(out)
 
-  def batch_at(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
-    """The ``(x, y)`` global batch at ``step``; leading dim ``global_batch``."""
-    idx = self.indices_at(step)
+  def batch_at(self, step: int, sites: Optional[Sequence[int]] = None
+               ) -> Tuple[np.ndarray, np.ndarray]:
+    """The ``(x, y)`` batch at ``step``: the global one (leading dim
+    ``global_batch``), or only the rows of ``sites`` (see `indices_at`)."""
+    idx = self.indices_at(step, sites)
     return self.x[idx], self.y[idx]
 
   def iterate(

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dadjax.parallel._insite import InSite, sharded_layout
 from dadjax.parallel._mesh import make_mesh
+from dadjax.parallel._rows import global_order, put_site_rows
 
 BACKENDS = ("shard_map", "pmap", "vmap")
 # site program factory: InSite -> (state, batch) -> (state, metrics)
@@ -78,10 +79,14 @@ class Vmap:
   def state_specs(self, state: Any) -> Any:
     raise ValueError(f"state_specs is for backend='shard_map' (a mesh), not {self.backend!r}")
 
-  def place_batch(self, batch: Any) -> Any:
-    """The global batch split into ``(num_sites, rows per site, ...)``."""
+  def place_batch(self, batch: Any, sites: tuple[int, ...] | None = None) -> Any:
+    """The global batch split into ``(num_sites, rows per site, ...)``.
+
+    ``sites``: the order of the batch's site blocks (every site; default ascending).
+    """
+    sites = tuple(range(self.num_sites)) if sites is None else sites
     return jax.tree.map(lambda x: jnp.asarray(np.reshape(
-        np.asarray(x), (self.num_sites, -1) + np.shape(x)[1:])), batch)
+        global_order(x, sites), (self.num_sites, -1) + np.shape(x)[1:])), batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +116,10 @@ class Pmap(Vmap):
   def place(self, tree: Any) -> Any:
     return jax.tree.map(jnp.asarray, tree)  # pmap shards its inputs itself
 
-  def place_batch(self, batch: Any) -> Any:
-    return jax.tree.map(lambda x: np.reshape(np.asarray(x), (self.num_sites, -1) + np.shape(x)[1:]),
-                        batch)
+  def place_batch(self, batch: Any, sites: tuple[int, ...] | None = None) -> Any:
+    sites = tuple(range(self.num_sites)) if sites is None else sites
+    return jax.tree.map(lambda x: np.reshape(global_order(x, sites),
+                                             (self.num_sites, -1) + np.shape(x)[1:]), batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +221,12 @@ class Mesh:
     return jax.make_array_from_callback(np.shape(x), NamedSharding(self.mesh, spec),
                                         lambda idx, x=x: np.asarray(x)[idx])
 
-  def place_batch(self, batch: Any) -> Any:
-    return jax.tree.map(lambda x: self._put(x, self._batch_spec), batch)
+  def place_batch(self, batch: Any, sites: tuple[int, ...] | None = None) -> Any:
+    """The global batch array from the rows of ``sites`` (default: every site's,
+    ascending); each device reads only its own site's rows (:func:`put_site_rows`)."""
+    sites = tuple(range(self.num_sites)) if sites is None else sites
+    sharding = NamedSharding(self.mesh, self._batch_spec)
+    return jax.tree.map(lambda x: put_site_rows(x, sites, self.num_sites, sharding), batch)
 
 
 class PerLayoutRun:

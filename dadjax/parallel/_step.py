@@ -6,7 +6,7 @@ Built by :func:`~dadjax.parallel.make_train_step` (:mod:`dadjax.parallel._make`)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,6 +20,7 @@ from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger 
                                       program_bits as _program_bits)
 from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
+from dadjax.parallel._rows import check_sites as _check_sites, local_sites as _local_sites
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
 
@@ -115,29 +116,46 @@ class TrainStep:
     """
     return self.placement.state_specs(state)
 
-  def check_batch(self, batch: Any) -> None:
-    """Raise a clear error if the global batch does not split over the sites.
+  @property
+  def local_sites(self) -> tuple[int, ...]:
+    """The sites whose rows this process feeds, ascending (every site in a
+    one-process run; on many processes, the sites of this process's devices).
 
-    Every leaf is split along its leading axis into ``num_sites`` equal
-    site-major blocks (and each block into ``per_site`` equal blocks on a
-    2-D mesh), so each needs a positive multiple of ``num_sites * per_site``
-    rows.
+    A process may pass only their rows: ``step(state, batch, sites=step.local_sites)``.
     """
+    return _local_sites(self.placement)
+
+  def check_batch(self, batch: Any, sites: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Raise a clear error if the batch does not split over its sites.
+
+    Every leaf is split along its leading axis into ``len(sites)`` equal
+    site-major blocks (and each block into ``per_site`` equal blocks on a
+    2-D mesh), so each needs a positive multiple of ``len(sites) * per_site``
+    rows. ``sites`` (default: every site) must hold :attr:`local_sites`.
+
+    Returns:
+      ``sites`` as a tuple.
+    """
+    sites = _check_sites(sites, self.num_sites, self.local_sites)
     leaves = jax.tree.leaves(batch)
     if not leaves:
       raise ValueError("batch: the batch pytree has no arrays")
-    units = self.num_sites * self.per_site
+    units = len(sites) * self.per_site
     for leaf in leaves:
       rows = np.shape(leaf)[0] if np.ndim(leaf) else None
       if rows is None or rows % units or rows == 0:
-        where = (f"num_sites={self.num_sites}" if self.per_site == 1 else
-                 f"num_sites={self.num_sites} x per_site={self.per_site} devices")
+        where = (f"{len(sites)} site(s)" if self.per_site == 1 else
+                 f"{len(sites)} site(s) x per_site={self.per_site} devices")
+        kind = "global batch" if len(sites) == self.num_sites else f"batch of sites {list(sites)}"
         raise ValueError(
-            f"batch: the global batch of {rows} rows does not divide over "
+            f"batch: the {kind} of {rows} rows does not divide over "
             f"{where}; use a multiple of {units}")
+    return sites
 
-  def __call__(self, state: TrainState, batch: Any):
-    return self.run(state, self.place_batch(batch))
+  def __call__(self, state: TrainState, batch: Any, sites: Sequence[int] | None = None):
+    """One step on a host batch: the global one, or the rows of ``sites`` only
+    (site-major in that order; they must include :attr:`local_sites`)."""
+    return self.run(state, self.place_batch(batch, sites))
 
   def run(self, state: TrainState, placed_batch: Any):
     """One step on a batch already placed by :meth:`place_batch` (timing loops).
@@ -185,12 +203,21 @@ class TrainStep:
     booked = _check_ledger(program, before, _booked_bits(new_state))
     return {"program_bits": program[0], "program_bits_all": program[1], "booked_bits": booked}
 
-  def place_batch(self, batch: Any) -> Any:
-    """Check a global host batch and put it where this placement expects it."""
-    self.check_batch(batch)
-    return self.placement.place_batch(batch)
+  def place_batch(self, batch: Any, sites: Sequence[int] | None = None) -> Any:
+    """Check a host batch and put it where this placement expects it.
 
-  def collectives(self, state: TrainState, batch: Any, link: str | None = None):
+    Args:
+      batch: the global batch, or with ``sites`` the rows of those sites only.
+      sites: the sites of ``batch``'s blocks, in order (default: every site,
+        ascending); they must include :attr:`local_sites`. On many processes
+        each process passes only its own sites' rows; each device reads its
+        block from them.
+    """
+    sites = self.check_batch(batch, sites)
+    return self.placement.place_batch(batch, sites)
+
+  def collectives(self, state: TrainState, batch: Any, link: str | None = None,
+                  sites: Sequence[int] | None = None):
     """The collective ops the compiled step runs, read from its optimized HLO.
 
     Lowers and compiles the step once for these shapes and returns a
@@ -203,12 +230,12 @@ class TrainStep:
 
     Args:
       state: a train state (shapes only matter).
-      batch: a global batch.
+      batch: a global batch (or the rows of ``sites``, as for :meth:`place_batch`).
       link: ``None`` for every op; on a 2-D mesh ``"inter"`` keeps the ops
         whose replica groups run along the site axis only, ``"intra"``
         those within one site (:meth:`link_of`).
     """
-    return _collectives(self._run, self.placement, state, self.place_batch(batch), link)
+    return _collectives(self._run, self.placement, state, self.place_batch(batch, sites), link)
 
   def link_of(self, groups) -> str:
     """Which links a collective with these replica groups uses (shard_map backend).
