@@ -148,7 +148,8 @@ def build(config: Config):
       dataset.x_train.dtype, np.integer):
     model_kwargs.setdefault("vocab_size", dataset.vocab_size)
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
-  model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs)
+  model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs,
+                           nnx_seed=config.seed)  # an NNX class: rngs=nnx.Rngs(seed, ...)
   if config.per_site > 1:
     placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site),
                  "shard_params": config.shard_params}

@@ -6,6 +6,7 @@ same parameters after the steps, same ledger.
 """
 
 import functools
+import json
 import warnings
 
 import chex
@@ -89,9 +90,11 @@ def _tx(method, variables):
   return optax.chain(first, optax.sgd(0.3))
 
 
-def _train(model, method, x, y, params=None, steps=2):
-  variables = model.init(jax.random.key(0), x[:2])
-  step = dadjax.make_train_step(model, _tx(method, variables), num_sites=SITES, backend="vmap")
+def _train(model, method, x, y, backend, params=None, steps=2):
+  # an nnx.Module goes to make_train_step as it is; the mask reads its variables
+  variables = (dnx.Model(model) if isinstance(model, nnx.Module) else model).init(
+      jax.random.key(0), x[:2])
+  step = dadjax.make_train_step(model, _tx(method, variables), num_sites=SITES, backend=backend)
   state = step.init(jax.random.key(0), x[:2])
   if params is not None:  # the linen twin starts from the NNX parameters
     assert jax.tree.structure(params) == jax.tree.structure(step.params(state))
@@ -101,19 +104,30 @@ def _train(model, method, x, y, params=None, steps=2):
   return step, state, metrics
 
 
-@pytest.mark.parametrize("method", ["allreduce", "powersgd:2", "dad"])
-@pytest.mark.parametrize("nnx_cls, linen_cls, shape", [(NnxMLP, LinenMLP, (16, 6)),
-                                                       (NnxBlock, LinenBlock, (16, 4, 8))])
-def test_nnx_trains_like_its_linen_twin(method, nnx_cls, linen_cls, shape):
+def _twins():
+  """Every (model pair, method, backend); the block's PowerSGD under shard_map compiles for
+  half a minute on a loaded CPU, so it runs with -m slow (its vmap twin runs by default)."""
+  for nnx_cls, linen_cls, shape in ((NnxMLP, LinenMLP, (16, 6)),
+                                    (NnxBlock, LinenBlock, (16, 4, 8))):
+    for method in ("allreduce", "powersgd:2", "dad"):
+      for backend in ("vmap", "shard_map"):
+        slow = nnx_cls is NnxBlock and method == "powersgd:2" and backend == "shard_map"
+        yield pytest.param(method, nnx_cls, linen_cls, shape, backend,
+                           marks=[pytest.mark.slow] if slow else [],
+                           id=f"{nnx_cls.__name__}-{method}-{backend}")
+
+
+@pytest.mark.parametrize("method, nnx_cls, linen_cls, shape, backend", list(_twins()))
+def test_nnx_trains_like_its_linen_twin(method, nnx_cls, linen_cls, shape, backend):
   x, y = _data(shape)
   module = nnx_cls(nnx.Rngs(0))
   if method == "dad":
     dnx.inject(module, mode="exact")
-  model = dnx.Model(module)
-  step, state, metrics = _train(model, method, x, y)
+  step, state, metrics = _train(module, method, x, y, backend)  # the nnx.Module itself
+  assert isinstance(step.model, dnx.Model)
   twin = linen_cls(dad.DotGeneral if method == "dad" else None)
   params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
-  _, ref, ref_metrics = _train(twin, method, x, y, params=params)
+  _, ref, ref_metrics = _train(twin, method, x, y, backend, params=params)
   chex.assert_trees_all_close(step.params(state), step.params(ref), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
   got, want = dadjax.comm_stats(state.opt_state), dadjax.comm_stats(ref.opt_state)
@@ -143,7 +157,7 @@ def test_nnx_linear_dot_general_and_collections():
   assert set(variables) == {"params", "dad_state", "batch_stats"}
   mask = dad.layer_mask(variables)
   assert mask["l1"]["kernel"] and not mask["l1"]["bias"] and not mask["l2"]["kernel"]
-  step, state, _ = _train(model, "dad", x, y)
+  step, state, _ = _train(model, "dad", x, y, "vmap")
   stats = jax.tree.map(lambda v: np.asarray(v), state.model_state["batch_stats"])
   assert not np.allclose(stats["bn"]["mean"], 0)  # updated, then averaged over sites
   np.testing.assert_allclose(stats["bn"]["mean"][0], stats["bn"]["mean"][1])
@@ -156,3 +170,48 @@ def test_nnx_linear_dot_general_and_collections():
     dnx.DotGeneral(mode="rank", warm_start=True)
   with pytest.raises(ValueError, match="nnx.Module"):
     dnx.Model(LinenMLP())
+
+
+class NnxNet(nnx.Module):
+  """A user's NNX classifier, by import path: ``model=test_nnx:NnxNet``."""
+
+  def __init__(self, in_features: int, hidden: int, num_classes: int, *, rngs: nnx.Rngs):
+    self.l1 = nnx.Linear(in_features, hidden, rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+    self.l2 = nnx.Linear(hidden, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(nnx.relu(self.l1(x.reshape(x.shape[0], -1)))))
+
+
+def test_dadjax_train_takes_an_nnx_class_by_import_path(capsys):
+  from dadjax import cli, models  # pylint: disable=g-import-not-at-top
+  from dadjax.config import Config  # pylint: disable=g-import-not-at-top
+  from dadjax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from dadjax.train import build, local_optimizer, train  # pylint: disable=g-import-not-at-top
+  kw = {"in_features": 64, "hidden": 8}
+  config = Config(model="test_nnx:NnxNet", model_kwargs=kw, num_sites=4, batch_per_site=4,
+                  steps=3, eval_every=3, backend="shard_map", seed=3)
+  run = train(config, progress=False)
+  # The same run by hand: the class built by the convention rngs=nnx.Rngs(seed, dropout=seed),
+  # the nnx.Module itself into make_train_step, the loop's batches.
+  net = NnxNet(**kw, num_classes=10, rngs=nnx.Rngs(3, dropout=3))
+  step = dadjax.make_train_step(net, optax.chain(dadjax.allreduce(AXIS), local_optimizer(config)),
+                                num_sites=4)
+  batcher = build(config)[2]
+  state = step.init(jax.random.key(3), np.zeros((4, 8, 8, 1), np.float32))
+  for t in range(3):
+    bx, by = batcher.batch_at(t)
+    state, _ = step(state, {"x": bx, "y": by})
+  chex.assert_trees_all_equal(run.params, step.params(state))
+  assert np.isfinite(run.final["test_loss"])
+  assert models.model_fields(NnxNet) == ["in_features", "hidden", "num_classes"]
+  # From the command line, model_kwargs checked against the class's __init__.
+  assert cli.main(["train", "--no-progress", "model=test_nnx:NnxNet",
+                   'model_kwargs={"in_features": 64, "hidden": 4}', "steps=1", "eval_every=1",
+                   "num_sites=2", "batch_per_site=4", "backend=vmap"]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 1
+  with pytest.raises(ConfigError, match=r"config.model_kwargs.*'width'.*in_features"):
+    train(config.replace(model_kwargs={**kw, "width": 3}), progress=False)
+  with pytest.raises(ConfigError, match="is an NNX module; dAD methods"):
+    train(config.replace(method="dad"), progress=False)

@@ -1,15 +1,20 @@
 """Models by name: ``register_model``, ``model_class``, ``model_names``, ``get_model``.
 
 A name is a registered one (``"mlp"``, ``"cnn"``, ...; any case) or an
-import path ``"package.module:Class"`` naming a Flax linen module class of
-the user's own. Registered names may carry default fields (``"vit"`` is a
-``Transformer`` with ``patch_size=4``).
+import path ``"package.module:Class"`` naming a Flax module class of the
+user's own: a linen module, or an ``nnx.Module`` (built eagerly as
+``Class(**model_kwargs, rngs=nnx.Rngs(seed, dropout=seed))``, plus
+``num_classes=`` when its ``__init__`` takes it; the train step wraps it with
+:class:`dadjax.nnx.Model`). Registered names may carry default fields
+(``"vit"`` is a ``Transformer`` with ``patch_size=4``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import sys
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -70,14 +75,47 @@ def model_class(name: str) -> tuple[Callable[..., nn.Module], dict]:
   return cls, dict(defaults)
 
 
+def is_nnx_class(cls: Any) -> bool:
+  """Whether ``cls`` is a Flax NNX module class (``nnx.Module`` subclass)."""
+  nnx = sys.modules.get("flax.nnx")  # an NNX class was defined, so flax.nnx is imported
+  return nnx is not None and isinstance(cls, type) and issubclass(cls, nnx.Module)
+
+
 def model_fields(cls: Callable[..., Any]) -> list[str] | None:
-  """The fields a model class takes (``None`` when they cannot be read)."""
+  """The fields a model class takes (``None`` when they cannot be read).
+
+  A linen module's dataclass fields; an NNX module's ``__init__`` keywords
+  but ``rngs`` (``None`` when it takes ``**kwargs``).
+  """
+  if is_nnx_class(cls):
+    try:
+      params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+      return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+      return None
+    return [p.name for p in params if p.name != "rngs"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
   if dataclasses.is_dataclass(cls):
     return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")]
   return None
 
 
-def get_model(name: str, num_classes: int, dense=nn.Dense, **kwargs) -> nn.Module:
+def _nnx_model(name: str, cls, num_classes: int, dense, seed: int, kwargs: dict):
+  """An NNX class built with the convention of the module docstring."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  if dense is not nn.Dense:
+    raise ValueError(f"model {name!r} is an NNX module; dAD methods from a config build linen "
+                     "layers. Give an NNX model dAD from Python (dadjax.nnx.inject(module, "
+                     "...) and dadjax.dad.synchronize), or choose a gradient method")
+  fields = model_fields(cls)
+  if fields is None or "num_classes" in fields:
+    kwargs["num_classes"] = num_classes
+  return cls(**kwargs, rngs=nnx.Rngs(seed, dropout=seed))
+
+
+def get_model(name: str, num_classes: int, dense=nn.Dense, *, nnx_seed: int = 0,
+              **kwargs) -> Any:
   """Build a model by name or import path.
 
   Registered names: see :func:`model_names` ("mlp", "cnn", "resnet18" /
@@ -86,13 +124,19 @@ def get_model(name: str, num_classes: int, dense=nn.Dense, **kwargs) -> nn.Modul
   class of your own. ``num_classes`` is passed when the class takes it,
   ``dense`` when it takes it (a ``dense`` other than ``nn.Dense`` for a
   class that does not take one is an error: the method needs it).
-  ``kwargs`` are passed to the class.
+  ``kwargs`` are passed to the class. An NNX class is constructed (its
+  parameters drawn) with ``rngs=nnx.Rngs(nnx_seed, dropout=nnx_seed)``
+  and gets no ``dense``: the returned ``nnx.Module`` goes to
+  ``make_train_step`` as it is.
 
   Raises:
-    ValueError: an unknown name, or a dense factory the class cannot take.
+    ValueError: an unknown name, or a dense factory the class cannot take
+      (every NNX class: dAD methods from a config need a linen model).
   """
   cls, defaults = model_class(name)
   kwargs = {**defaults, **kwargs}
+  if is_nnx_class(cls):
+    return _nnx_model(name, cls, num_classes, dense, nnx_seed, kwargs)
   fields = model_fields(cls)
   if fields is None or "num_classes" in fields:
     kwargs["num_classes"] = num_classes

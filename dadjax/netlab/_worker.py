@@ -59,7 +59,8 @@ def _local_step(config, dataset, steps_per_epoch):
       dataset.x_train.dtype, np.integer):
     model_kwargs.setdefault("vocab_size", dataset.vocab_size)
   dense_kw = {"dense": method.dense} if method.dense is not None else {}
-  model = models.get_model(one.model, dataset.num_classes, **dense_kw, **model_kwargs)
+  model = models.get_model(one.model, dataset.num_classes, **dense_kw, **model_kwargs,
+                           nnx_seed=one.seed)
   mesh = make_mesh(1, devices=jax.local_devices()[:1])
   return make_train_step(model, method.optimizer(local_optimizer(one, schedule)), mesh=mesh,
                          backend=one.backend, batch_stage=getattr(method, "batch_stage", None),

@@ -52,6 +52,7 @@ update functions); leave out any other such transformation.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -78,6 +79,15 @@ def _check_names(name: str, names, reserved, allowed=None) -> tuple[str, ...]:
   if allowed is not None and not set(names) <= set(allowed):
     raise ValueError(f"{name} must be a subset of mutable={allowed}, got {names}")
   return names
+
+
+def _nnx_model(model):
+  """An ``nnx.Module`` wrapped by :class:`dadjax.nnx.Model`; any other model as it is."""
+  nnx = sys.modules.get("flax.nnx")  # an NNX module exists only once flax.nnx is imported
+  if nnx is None or not isinstance(model, nnx.Module):
+    return model
+  from dadjax.nnx import Model  # pylint: disable=g-import-not-at-top
+  return Model(model)
 
 
 def _eval_fn(loss_fn, metrics_fn):
@@ -114,7 +124,10 @@ def make_train_step(
   Long because of its docstring (every argument and layout); the code only validates and assembles.
 
   Args:
-    model: a Flax linen module (``init`` and the default loss use it).
+    model: a Flax linen module (``init`` and the default loss use it), or
+      an ``nnx.Module``, wrapped by :class:`dadjax.nnx.Model` (its
+      ``nnx.Param`` are the parameters, ``nnx.BatchStat`` the
+      ``"batch_stats"``; the module is not modified).
     tx: any optax transformation; a dadjax communicating transformation in
       it (``dadjax.allreduce(axis_name)``, a compressor, dAD's sync) does the
       collective. A plain optax optimizer alone leaves sites unsynchronized.
@@ -175,6 +188,7 @@ def make_train_step(
       ``"params"``, ``"comm"`` or a differentiated collection (``average``
       must be a subset of ``mutable``).
   """
+  model = _nnx_model(model)  # an nnx.Module: through dadjax.nnx.Model (nnx.split / merge)
   registered = resolve_rules((), (), collections)
   reserved = ("params", COMM_COLLECTION, *(k for k, r in registered.items() if r.differentiate))
   mutable = _check_names("mutable", mutable, reserved)
