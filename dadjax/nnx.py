@@ -46,12 +46,13 @@ from flax import nnx
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.dad import DadConfig
 from dadjax.dad._cost import layer_traffic
-from dadjax.dad._dot_general import (KERNEL_STATE_NAME, _einsum, contraction, dot_general,
-                                     einsum_contraction, init_kernel_state, layer_seed)
+from dadjax.dad._dot_general import (KERNEL_PARAM, KERNEL_STATE_NAME, _einsum, contraction,
+                                     dot_general, einsum_contraction, init_kernel_state,
+                                     layer_seed)
 from dadjax.dad._rank_accordion import accordion_gather_bits
 from dadjax.comm import bits_const
 
-__all__ = ["Model", "DotGeneral", "DadState", "inject", "COLLECTIONS"]
+__all__ = ["Model", "DotGeneral", "DadState", "inject", "inject_method", "COLLECTIONS"]
 
 
 class DadState(nnx.Variable):
@@ -172,8 +173,36 @@ def inject(model: nnx.Module, **options: Any) -> nnx.Module:
   ``LinearGeneral`` layers, so they are covered. Modifies ``model`` in
   place and returns it.
   """
+  _inject(model, options)
+  return model
+
+
+def inject_method(model: nnx.Module, factory: Any) -> nnx.Module:
+  """Give ``model`` the dAD layers of a method's dense factory (a config's ``method=dad``).
+
+  :func:`inject` with the factory's :class:`~dadjax.dad.DadConfig` options
+  and seed, and the kernels recorded in the factory
+  (:meth:`~dadjax.dad.DenseFactory.record_kernels`), so the method's
+  ``synchronize`` masks them. Modifies ``model`` in place and returns it.
+
+  Args:
+    model: an NNX module.
+    factory: a :class:`~dadjax.dad.DenseFactory` (``Method.dense`` of a dAD method).
+  """
+  options = {k: v for k, v in factory.options.items()
+             if k in DadConfig.__dataclass_fields__ or k == "seed"}
+  paths = _inject(model, options)
+  if options.get("mode") != "local":
+    factory.record_kernels([path + (KERNEL_PARAM,) for path in paths])
+  return model
+
+
+def _inject(model: nnx.Module, options: dict) -> list[tuple[str, ...]]:
+  """:func:`inject`; returns the paths of the layers it gave dAD."""
+  options = dict(options)
   seed = options.pop("seed", 0)
   _options(options)  # validate now, naming the bad argument
+  done = []
   for path, layer in nnx.iter_modules(model):
     shape, batch = None, 0
     if isinstance(layer, nnx.Linear):
@@ -196,6 +225,7 @@ def inject(model: nnx.Module, **options: Any) -> nnx.Module:
       shape, batch = (c.d_in, c.d_out), (c.batch if c.batch_shape else 0)
       layer.einsum_op = nnx.data(DotGeneral(shape=shape, batch=batch,
                                             seed=_path_seed(seed, path), **options))
+      done.append(tuple(str(p) for p in path))
       continue
     else:
       continue
@@ -203,7 +233,8 @@ def inject(model: nnx.Module, **options: Any) -> nnx.Module:
                                             seed=_path_seed(seed, path), **options))
     if hasattr(layer, "dot_general_cls"):
       layer.dot_general_cls = None
-  return model
+    done.append(tuple(str(p) for p in path))
+  return done
 
 
 def _collection_of(var_type) -> str | None:

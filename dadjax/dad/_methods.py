@@ -149,6 +149,22 @@ class DenseFactory:
 
     return build
 
+  def record_kernels(self, kernels: Any) -> None:
+    """Remember a model whose dAD layers were given outside a linen trace.
+
+    For a model this factory does not build (an NNX model given dAD by
+    :func:`dadjax.nnx.inject_method`): ``kernels`` are the parameter paths
+    (tuples of names) of its synchronizing layers' kernels, and :meth:`mask`
+    then marks them for that model's parameters.
+    """
+    kernels = frozenset(tuple(str(k) for k in path) for path in kernels)
+    self._close()
+    self.built += len(kernels)
+    record = _Model(frozenset(), kernels, None)
+    if record in self._models:
+      self._models.remove(record)
+    self._models.append(record)
+
   def mask(self, params: Any) -> Any:
     """``True`` for the parameters of the dAD layers this factory built in ``params``' model.
 

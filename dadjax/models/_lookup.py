@@ -102,16 +102,20 @@ def model_fields(cls: Callable[..., Any]) -> list[str] | None:
 
 
 def _nnx_model(name: str, cls, num_classes: int, dense, seed: int, kwargs: dict):
-  """An NNX class built with the convention of the module docstring."""
+  """An NNX class built with the convention of the module docstring; a dAD method's
+  factory (``dense``) gives its layers dAD (:func:`dadjax.nnx.inject_method`)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  if dense is not nn.Dense:
-    raise ValueError(f"model {name!r} is an NNX module; dAD methods from a config build linen "
-                     "layers. Give an NNX model dAD from Python (dadjax.nnx.inject(module, "
-                     "...) and dadjax.dad.synchronize), or choose a gradient method")
+  if dense is not nn.Dense and not hasattr(dense, "record_kernels"):
+    raise ValueError(f"model {name!r} is an NNX module: its layers get dAD from a dAD "
+                     f"method's factory (dadjax.dad.DenseFactory), not from {dense!r}")
   fields = model_fields(cls)
   if fields is None or "num_classes" in fields:
     kwargs["num_classes"] = num_classes
-  return cls(**kwargs, rngs=nnx.Rngs(seed, dropout=seed))
+  module = cls(**kwargs, rngs=nnx.Rngs(seed, dropout=seed))
+  if dense is not nn.Dense:
+    from dadjax.nnx import inject_method  # pylint: disable=g-import-not-at-top
+    inject_method(module, dense)
+  return module
 
 
 def get_model(name: str, num_classes: int, dense=nn.Dense, *, nnx_seed: int = 0,
@@ -126,12 +130,13 @@ def get_model(name: str, num_classes: int, dense=nn.Dense, *, nnx_seed: int = 0,
   class that does not take one is an error: the method needs it).
   ``kwargs`` are passed to the class. An NNX class is constructed (its
   parameters drawn) with ``rngs=nnx.Rngs(nnx_seed, dropout=nnx_seed)``
-  and gets no ``dense``: the returned ``nnx.Module`` goes to
+  and no ``dense`` argument: a dAD method's factory gives its
+  ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` layers dAD
+  (:func:`dadjax.nnx.inject_method`). The returned ``nnx.Module`` goes to
   ``make_train_step`` as it is.
 
   Raises:
-    ValueError: an unknown name, or a dense factory the class cannot take
-      (every NNX class: dAD methods from a config need a linen model).
+    ValueError: an unknown name, or a dense factory the class cannot take.
   """
   cls, defaults = model_class(name)
   kwargs = {**defaults, **kwargs}
