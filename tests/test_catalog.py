@@ -274,6 +274,21 @@ def its_compressor(levels: int = 4):
   return dadjax.qsgd(levels)
 '''
 
+_NETS = '''
+"""A model from the installed package: ``model=its_compressor.nets:Net``."""
+import flax.linen as nn
+
+
+class Net(nn.Module):
+  width: int = 8
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = x.reshape(x.shape[0], -1)
+    return nn.Dense(self.num_classes)(nn.tanh(nn.Dense(self.width)(x)))
+'''
+
 _PYPROJECT = '''
 [build-system]
 requires = []
@@ -308,7 +323,9 @@ def get_requires_for_build_wheel(config_settings=None):
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-  files = {f"{NAME}/__init__.py": open(os.path.join(NAME, "__init__.py")).read(), **FILES}
+  files = {f"{NAME}/{f}": open(os.path.join(NAME, f)).read()
+           for f in sorted(os.listdir(NAME)) if f.endswith(".py")}
+  files.update(FILES)
   record = []
   name = f"{NAME}-{VERSION}-py3-none-any.whl"
   with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as whl:
@@ -329,6 +346,7 @@ def test_installed_plugin_trains_from_the_command_line(tmp_path):
   src = tmp_path / "src"
   (src / "its_compressor").mkdir(parents=True)
   (src / "its_compressor" / "__init__.py").write_text(_PLUGIN)
+  (src / "its_compressor" / "nets.py").write_text(_NETS)
   (src / "pyproject.toml").write_text(_PYPROJECT)
   (src / "wheel_backend.py").write_text(_BACKEND)
   venv = tmp_path / "venv"
@@ -348,11 +366,14 @@ def test_installed_plugin_trains_from_the_command_line(tmp_path):
       [str(py), "-m", "dadjax.cli", "train", "--no-progress", "method=its_compressor:4",
        "optimizer=adamw(learning_rate=1e-3, weight_decay=0.01)",
        "lr_schedule=warmup_cosine_decay_schedule(init_value=0, peak_value=1e-3, warmup_steps=1, "
-       "decay_steps=4)", f"out_dir={out}", *TINY],
+       "decay_steps=4)", f"out_dir={out}", "model=its_compressor.nets:Net",
+       *[a for a in TINY if not a.startswith("model_kwargs")], 'model_kwargs={"width": 6}'],
       capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
   row = json.loads(proc.stdout.strip().splitlines()[-1])
   assert row["method"] == "its_compressor:4" and row["step"] == 2
+  # the package's Net (digits 8x8 -> 6 -> 10) was the model: the dense bits count its parameters
+  assert row["dense_bits_per_step"] == 32 * (64 * 6 + 6 + 6 * 10 + 10), row
   # Not installed here: the name is unknown to this process.
   assert registry.lookup("compressor", "its_compressor") is None
 
