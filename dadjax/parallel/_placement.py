@@ -16,7 +16,9 @@ Layout: every array of the train state carries a leading site axis of size
 ``num_sites`` (the layout ``pmap`` uses). Under ``shard_map`` the site axis
 is sharded over the mesh, so each device holds exactly its own site's copy.
 The batch is global, site-major: every leaf has a leading row axis and rows
-``[i * b, (i + 1) * b)`` belong to site ``i``.
+``[i * b, (i + 1) * b)`` belong to site ``i``. A process may hand over only
+the rows of some sites (those of its devices, :mod:`dadjax.parallel._rows`):
+``place_batch(batch, sites)`` builds the global batch from them.
 """
 
 from __future__ import annotations
