@@ -202,6 +202,94 @@ def test_collective_operands_counts_every_operand_of_a_combined_op():
   assert collective_operands(text)["reduce"] == 3 >= ops.count["reduce"] >= 1
 
 
+def _cond_program():
+  """A 4-site program: a ``lax.cond`` with 3 all-reduces (true) or 1 (false), then one of 2 operands."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from dadjax import make_mesh  # pylint: disable=g-import-not-at-top
+
+  def three(x):  # dependent: XLA cannot combine them
+    x = jax.lax.psum(x, "d")
+    x = jax.lax.psum(jnp.sin(x), "d")
+    return jax.lax.psum(jnp.cos(x), "d")
+
+  def one(x):
+    return jax.lax.psum(x[:, :4], "d").sum() + x
+
+  def site(pred, a, b):
+    s = jax.lax.psum((a.sum(), b.sum()), "d")  # one op, two operands
+    return jax.lax.cond(pred[0], three, one, a) + s[0] + s[1]
+
+  fn = jax.jit(jax.shard_map(site, mesh=make_mesh(4, "d"), in_specs=(P("d"),) * 3,
+                             out_specs=P("d"), check_vma=False))
+  x = jnp.ones((4, 16))
+  return fn.lower(jnp.ones(4, bool), x, x).compile().as_text()
+
+
+def test_taken_collectives_counts_the_branch_that_runs():
+  from dadjax.comm import (hlo_collectives, match_branches,  # pylint: disable=g-import-not-at-top
+                           taken_collectives)
+  from dadjax.comm._hlo import collective_ops  # pylint: disable=g-import-not-at-top
+  text = _cond_program()
+  (cond,) = {op.branch[0][0] for op in collective_ops(text) if op.branch}
+  every = hlo_collectives(text)
+  assert every.count["reduce"] == 5 and every.conditional_count["reduce"] == 4
+  assert every.operands["reduce"] == 6 and every.conditional_operands["reduce"] == 4
+  row = 16 * 4  # bytes of one site's (1, 16) float32 block
+  for index, ops, nbytes in ((1, 3, 3 * row), (0, 1, row // 4)):
+    taken = taken_collectives(text, {cond: index})
+    assert taken.count["reduce"] == 1 + ops and taken.operands["reduce"] == 2 + ops
+    assert taken.conditional_count["reduce"] == 0 and taken.conditional_operands["reduce"] == 0
+    assert taken.nbytes["reduce"] == 8 + nbytes
+    # The ledger's bits of a step tell which branch ran.
+    assert match_branches(text, 8 * (8 + nbytes)) == {cond: index}
+  with pytest.raises(ValueError, match="no choice of branches"):
+    match_branches(text, 8 * (8 + row))
+  with pytest.raises(ValueError, match="no conditional"):
+    taken_collectives(text, {"nope": 0})
+  with pytest.raises(ValueError, match=r"branch index in \[0, 1\]"):
+    taken_collectives(text, {cond: 2})
+
+
+def test_calibrated_model_charges_operands_and_the_sync_branch_once_per_period():
+  from dadjax.comm import CommSummary, NetworkModel, TransportFit  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import hlo_collectives, taken_collectives  # pylint: disable=g-import-not-at-top
+  from dadjax.comm._hlo import collective_ops  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab import predicted_comm  # pylint: disable=g-import-not-at-top
+  text = _cond_program()
+  every = hlo_collectives(text)
+  (cond,) = {op.branch[0][0] for op in collective_ops(text) if op.branch}
+  model = NetworkModel.calibrated(1e9, 0.01, 4, TransportFit())  # 1 RTT per ring step
+  step = 6 * 0.02  # an all-reduce's 2(N-1) ring steps at 1 RTT each, per call
+  plain = CommSummary((0,), (0,), (0,), (0,), (0,), 0, 0, 1)
+  assert model.step_time(plain, every) == pytest.approx(6 * step)  # every operand of every branch
+  assert model.step_time(plain, taken_collectives(text, {cond: 0})) == pytest.approx(3 * step)
+  assert NetworkModel(1e9, 0.01, 4).step_time(plain, every) == pytest.approx(5 * 6 * 0.01)  # ops
+  # A local-update ledger (H = 10): the conditional operands once per period, all on the sync step.
+  local = CommSummary((0,), (0,), (0,), (0,), (0,), 0, 0, 1, peak_reduce_bits=(0,),
+                      peak_gather_bits=(0,), exchange_rate=0.1, peak_share=1.0)
+  assert model.step_time(local, every) == pytest.approx((2 + 0.1 * 4) * step)
+  assert model.peak_step_time(local, every) == pytest.approx(6 * step)
+  ledger = {"reduce_bits": 0, "gather_bits": 0, "exchange_rate": 0.1, "peak_share": 1.0,
+            "peak_reduce_bits": 0, "peak_gather_bits": 0,
+            "ops": {k: dict(v) for k, v in vars(every).items()}}
+  pred = predicted_comm(ledger, 1e9, 0.01, 4, TransportFit())
+  assert pred["calibrated"] == pytest.approx((2 + 0.1 * 4) * step)
+  assert pred["calibrated_peak"] == pytest.approx(6 * step)
+  assert pred["textbook"] == pytest.approx((1 + 0.1 * 4) * 6 * 0.01)
+
+
+def test_period_step_time_weighs_a_sync_step_once_per_period():
+  from dadjax.netlab import LabRun  # pylint: disable=g-import-not-at-top
+  steps = [9.0] + [1.0 if t % 5 else 6.0 for t in range(2, 12)]  # steps 5 and 10 sync
+  run = LabRun(4, 1e8, 0.0, steps, [], [], [], {"exchange_rate": 0.2}, [])
+  assert run.period == 5 and run.step_time == pytest.approx((4 * 1.0 + 6.0) / 5)
+  assert LabRun(4, 1e8, 0.0, steps, [], [], [], {}, []).step_time == 1.0  # the median
+  with pytest.raises(DadjaxError, match="at least 6 steps"):
+    LabRun(4, 1e8, 0.0, steps[:4], [], [], [], {}, []).period_step_time(5)
+
+
 @pytest.mark.multihost
 def test_interrupted_cli_run_leaves_nothing_behind():
   import signal  # pylint: disable=g-import-not-at-top

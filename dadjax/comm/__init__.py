@@ -7,7 +7,8 @@
   collective kind, per site and step;
 * wire bits per topology (:func:`wire_bits`) and the alpha-beta
   :class:`NetworkModel`;
-* the compiled program's collective ops (:func:`hlo_collectives`);
+* the compiled program's collective ops (:func:`hlo_collectives`; the branch a
+  step takes: :func:`taken_collectives`, :func:`match_branches`);
 * :func:`accumulate`: gradient accumulation with one collective per
   optimizer step;
 * variance typing under ``shard_map`` and the shared collection names.
@@ -33,7 +34,7 @@ from dadjax._core.vma import is_varying, tree_to_varying
 from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._collectives import AllReduceState, allreduce
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
-from dadjax.comm._hlo import CollectiveOps, hlo_collectives
+from dadjax.comm._hlo import CollectiveOps, hlo_collectives, match_branches, taken_collectives
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,
@@ -82,6 +83,8 @@ __all__ = [
     "wire_bits",
     "TOPOLOGIES",
     "hlo_collectives",
+    "taken_collectives",
+    "match_branches",
     "CollectiveOps",
     "report",
     "Report",

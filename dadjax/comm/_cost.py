@@ -132,7 +132,10 @@ class NetworkModel:
 
     Its ``allreduce_time(bits, messages)`` / ``allgather_time`` take
     ``messages`` = gloo calls, i.e. the *operands* of the compiled
-    collectives (``dadjax.netlab.collective_operands``), not the ops.
+    collectives (:attr:`CollectiveOps.operands <dadjax.comm.CollectiveOps>`),
+    not the ops; its :meth:`step_time` and :meth:`peak_step_time`, given
+    a :class:`~dadjax.comm.CollectiveOps`, charge those operands (the
+    conditional ones of a local-update method once per period, as for ops).
     """
     return cls(bandwidth, latency, num_sites, "ring", GLOO_TCP if fit is None else fit)
 
@@ -192,7 +195,7 @@ class NetworkModel:
       :attr:`~dadjax.comm.CommSummary.bits_per_step`: the site whose whole
       step is largest, not the busiest site of each kind taken apart.
     """
-    reduce_ops, gather_ops = self._ops(summary, ops)
+    reduce_ops, gather_ops = self._ops(summary, ops, per_operand=self.fit is not None)
     return max(self.allreduce_time(r, reduce_ops) + self.allgather_time(g, gather_ops)
                for r, g in _sites(summary.reduce_bits, summary.gather_bits))
 
@@ -213,7 +216,7 @@ class NetworkModel:
     """
     if not summary.peak_reduce_bits:
       return self.step_time(summary, ops)
-    reduce_ops, gather_ops = self._ops(summary, ops, peak=True)
+    reduce_ops, gather_ops = self._ops(summary, ops, peak=True, per_operand=self.fit is not None)
     return (self.allreduce_time(max(summary.peak_reduce_bits), reduce_ops)
             + self.allgather_time(max(summary.peak_gather_bits), gather_ops))
 
@@ -223,13 +226,17 @@ class NetworkModel:
     return self.allreduce_time(summary.dense_bits_per_step // FP32_BITS * number_bits, ops)
 
   @staticmethod
-  def _ops(summary: CommSummary, ops, peak: bool = False) -> tuple[float, float]:
+  def _ops(summary: CommSummary, ops, peak: bool = False,
+           per_operand: bool = False) -> tuple[float, float]:
     if ops is None:
       if peak and summary.peak_reduce_calls is not None:
         return summary.peak_reduce_calls, summary.peak_gather_calls
       return summary.reduce_calls, summary.gather_calls
     count = getattr(ops, "count", ops)
     cond = getattr(ops, "conditional_count", None)
+    if per_operand and getattr(ops, "operands", None):
+      # A calibrated (gloo) model: every operand of a combined op is its own call.
+      count, cond = ops.operands, ops.conditional_operands
     if summary.exchange_rate is None or cond is None:
       return int(count.get("reduce", 0)), int(count.get("gather", 0))
     # A method that communicates on some steps only (local updates): its

@@ -19,6 +19,10 @@ from dadjax.errors import DadjaxError
 from dadjax.netlab._lab import Lab, parse_rate, parse_time
 
 COORDINATOR_PORT = 47611
+LEDGER_KEYS = ("reduce_bits", "gather_bits", "reduce_ops", "gather_ops", "reduce_operands",
+               "gather_operands", "reduce_op_bytes", "gather_op_bytes", "ops", "taken",
+               "taken_error", "exchange_rate", "peak_share", "peak_reduce_bits",
+               "peak_gather_bits")
 
 
 @dataclasses.dataclass
@@ -50,9 +54,47 @@ class LabRun:
 
   @property
   def step_time(self) -> float:
-    """Median step time after the first (compiling) step."""
+    """Seconds per optimizer step after the first (compiling) step: :meth:`period_step_time`.
+
+    The median step; for a method that communicates on some steps only (a
+    local-update ledger, ``ledger["exchange_rate"] = 1 / H``) the mean per
+    optimizer step over a period (too few steps to sample every step of the
+    period: the mean of the steps after the first).
+    """
+    try:
+      return self.period_step_time(self.period)
+    except DadjaxError:
+      return statistics.fmean(self.step_s[1:] or self.step_s)
+
+  def period_step_time(self, period: int) -> float:
+    """Seconds per optimizer step when the steps repeat every ``period`` steps.
+
+    ``period = 1``: the median step after the first. Otherwise the steps
+    after the first are grouped by their position in the period (step ``t``
+    counted from 1, ``t % period``), each group gives its median and the
+    groups are averaged: a sync step weighs ``1 / period`` however many of
+    them the run sampled.
+
+    Raises:
+      DadjaxError: the run did not sample every position of the period.
+    """
     steps = self.step_s[1:] or self.step_s
-    return statistics.median(steps)
+    if period <= 1:
+      return statistics.median(steps)
+    groups: dict = {}
+    for t, s in enumerate(self.step_s[1:], start=2):
+      groups.setdefault(t % period, []).append(s)
+    if len(groups) < period:
+      raise DadjaxError(f"LabRun.period_step_time: {len(self.step_s)} steps do not sample every "
+                        f"step of a period of {period} after the compiling one; run at least "
+                        f"{period + 1} steps")
+    return statistics.fmean(statistics.median(g) for g in groups.values())
+
+  @property
+  def period(self) -> int:
+    """``H``: optimizer steps per period of a local-update method (1: every step communicates)."""
+    rate = self.ledger.get("exchange_rate")
+    return max(1, round(1 / rate)) if rate else 1
 
   @property
   def compute_time(self) -> float:
@@ -61,7 +103,7 @@ class LabRun:
 
   @property
   def comm_time(self) -> float:
-    """Median step time minus median compute time: the step's communication."""
+    """:attr:`step_time` minus the median compute time: the step's communication."""
     return self.step_time - self.compute_time
 
   def summary(self) -> dict:
@@ -215,9 +257,7 @@ def run_in_lab(lab: Lab, config, *, compute_steps: int = 5, eval_every: int = 0,
     with np.load(os.path.join(tmp, f"params{k}.npz")) as f:
       params = [f[f"p{i}"] for i in range(len(f.files))]
     first = results[0]
-    book = {key: first[key] for key in ("reduce_bits", "gather_bits", "reduce_ops", "gather_ops",
-                                        "reduce_operands", "gather_operands", "reduce_op_bytes",
-                                        "gather_op_bytes") if key in first}
+    book = {key: first[key] for key in LEDGER_KEYS if key in first}
     compute = [t for r in results for t in r.get("compute_s", [])]
     rate = next((r for r in rates[k::-1] if r is not None), None)
     rate = initial if rate is None else parse_rate(rate)

@@ -68,24 +68,43 @@ def _local_step(config, dataset, steps_per_epoch):
 
 
 def _ledger(step_fn, state, batch) -> dict:
-  """Per-site payload bits (the ledger) and the compiled step's collective ops."""
+  """Per-site payload bits (the ledger) and the compiled step's collective ops.
+
+  ``ops`` holds :class:`~dadjax.comm.CollectiveOps`' fields. A program with
+  conditional collectives and a plain ledger (Accordion: one ``lax.cond``
+  per tensor) gets the branches the last step took (``taken``,
+  :func:`~dadjax.comm.match_branches` on its bits) and ``ops`` of those
+  branches; a local-update ledger (:class:`~dadjax.comm.PeriodicStats`)
+  keeps every op, with ``exchange_rate`` (``1 / H``), ``peak_share`` and
+  the sync step's bits, so the model charges the sync branch once per ``H``.
+  """
   import dadjax  # pylint: disable=g-import-not-at-top
-  from dadjax.comm import hlo_collectives  # pylint: disable=g-import-not-at-top
-  from dadjax.netlab._model import collective_operands  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import hlo_collectives, match_branches, taken_collectives  # pylint: disable=g-import-not-at-top
   summary = dadjax.comm_stats(state)  # every ledger: the method's and the step's own
   # What TrainStep.collectives reads, kept to count the operands too (one compile).
   program = step_fn._run  # pylint: disable=protected-access
   text = program.lower(state, step_fn.place_batch(batch)).compile().as_text()
   ops = hlo_collectives(text)
-  operands = collective_operands(text)
-  return dict(reduce_operands=int(operands.get("reduce", 0)),
-              gather_operands=int(operands.get("gather", 0)),
-              reduce_bits=int(max(summary.reduce_bits)),
-              gather_bits=int(max(summary.gather_bits)),
-              reduce_ops=int(ops.count.get("reduce", 0)),
-              gather_ops=int(ops.count.get("gather", 0)),
-              reduce_op_bytes=int(ops.nbytes.get("reduce", 0)),
-              gather_op_bytes=int(ops.nbytes.get("gather", 0)))
+  out = dict(reduce_operands=int(ops.operands.get("reduce", 0)),
+             gather_operands=int(ops.operands.get("gather", 0)),
+             reduce_bits=int(max(summary.reduce_bits)),
+             gather_bits=int(max(summary.gather_bits)),
+             reduce_ops=int(ops.count.get("reduce", 0)),
+             gather_ops=int(ops.count.get("gather", 0)),
+             reduce_op_bytes=int(ops.nbytes.get("reduce", 0)),
+             gather_op_bytes=int(ops.nbytes.get("gather", 0)))
+  if summary.exchange_rate is not None:
+    out.update(exchange_rate=summary.exchange_rate, peak_share=summary.peak_share,
+               peak_reduce_bits=int(max(summary.peak_reduce_bits)),
+               peak_gather_bits=int(max(summary.peak_gather_bits)))
+  elif any(ops.conditional_count.values()):
+    try:
+      out["taken"] = match_branches(text, out["reduce_bits"], out["gather_bits"])
+      ops = taken_collectives(text, out["taken"])
+    except ValueError as e:  # the ledger does not tell the branches: every one is charged
+      out["taken_error"] = str(e)
+  out["ops"] = {k: dict(v) for k, v in dataclasses.asdict(ops).items()}
+  return out
 
 
 _BUILT: dict = {}
