@@ -213,7 +213,10 @@ def _charged(book):
 
 
 def write(rows, to_target, target, runs, out):
-  """The generated part of ``out``; a hand-written part from ``## Reading it`` on is kept."""
+  """The generated part of ``out``; a hand-written part from ``## Reading it`` on is kept.
+
+  Long because it is one page: the command list, four tables, and the kept hand-written part.
+  """
   keep = ""
   if out.exists() and "\n## Reading it" in out.read_text():
     keep = out.read_text()[out.read_text().index("\n## Reading it"):]
