@@ -126,3 +126,21 @@ def test_training_rows_report_stage_bits_and_compute():
   # (bit-plane packed), fp32 weights, a 32-bit count
   row_bits = 32 * packed_words(64, 2) + 64
   assert wire == [8 * row_bits + 32 * packed_words(8, 4) + 8 * 32 + 32] * 8
+
+
+def test_quantized_stage_under_shard_map_keeps_its_state_placement():
+  """``dataquant:4`` (uniform quantizer) under shard_map: the program compiled for the initial
+  state runs on the states it returns (no state leaf changes its placement between steps; an
+  empty codebook leaf once came back replicated, ``float32[2,0,0]`` placed ``P()``)."""
+  method = dadjax.build_method("dataquant:4")
+  step = dadjax.make_train_step(MODEL, optax.sgd(0.1), batch_stage=method.batch_stage,
+                                num_sites=2, backend="shard_map")
+  batch = step.place_batch({k: v[:2 * ROWS] for k, v in make_batch(0).items()})
+  state = step.init(jax.random.key(0), np.zeros((1, DIM), np.float32))
+  assert state.stage_state.codebook == ()  # the uniform quantizer keeps no codebook
+  compiled = step._run.lower(state, batch).compile()
+  specs = [x.sharding for x in jax.tree.leaves(state)]
+  for _ in range(2):
+    state, metrics = compiled(state, batch)
+    assert [x.sharding for x in jax.tree.leaves(state)] == specs
+  assert np.isfinite(np.asarray(metrics["loss"])).all()

@@ -81,7 +81,9 @@ class DataQuantState(NamedTuple):
   Attributes:
     correction: the correction compressor's state (``()`` without one).
     codebook: ``(2**bits, block)`` shared codebook (``"codebook"``
-      quantizer; learned in the first step), else ``(0, 0)``.
+      quantizer; learned in the first step), else ``()`` (no leaf: an empty
+      array leaf would come back from a shard_map step placed unlike its
+      spec, and a program compiled for the first state would refuse the next).
     codebook_ready: bool, whether the codebook has been learned and sent.
     sent_rows: int32, rows this site sent in the last step.
     useful_bits: :class:`~dadjax.comm.Bits`, the last step's payload of the
@@ -96,7 +98,7 @@ class DataQuantState(NamedTuple):
   """
 
   correction: Any
-  codebook: jax.Array
+  codebook: Any
   codebook_ready: jax.Array
   sent_rows: jax.Array
   useful_bits: Bits
@@ -209,13 +211,12 @@ def dataquant(
   num_classes = check_num_classes(num_classes)
   if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be a str or None, got {axis_name!r}")
-  codebook_shape = (1 << bits, block) if quantizer == "codebook" else (0, 0)
 
   def init(params):
     z = bits_zero()
     return DataQuantState(
         correction=correction.init(params) if correction is not None else (),
-        codebook=jnp.zeros(codebook_shape, jnp.float32),
+        codebook=jnp.zeros((1 << bits, block), jnp.float32) if quantizer == "codebook" else (),
         codebook_ready=jnp.asarray(quantizer != "codebook"),
         sent_rows=jnp.int32(0), useful_bits=z, wire_bits=z,
         backward_rows=jnp.int32(0), correction_active=jnp.asarray(False))
