@@ -145,7 +145,7 @@ def _forced(update, state, grads, low: bool):
                                                  ("qsgd:64", "qsgd:4")])
 def test_switch_preserves_both_settings_states(low_spec, high_spec):
   low, high = C.get_compressor(low_spec), C.get_compressor(high_spec)
-  tx = A.accordion(low, high, window=10_000, axis_name=None, seed=3)
+  tx = A.accordion(low, high, window=10_000, axis_name=None, seed=3, share_memory=False)
   params = _params()
   state = tx.init(params)
   plan = [True, True, False, False, True]  # low -> high -> low
@@ -180,6 +180,42 @@ def test_switch_preserves_both_settings_states(low_spec, high_spec):
   assert any(float(jnp.abs(x).sum()) > 0 for x in jax.tree.leaves(history[-1][1].low[w]))
   # uncompressed 1-D tensors are the plain average (one site: the gradient itself).
   np.testing.assert_allclose(history[2][0]["b"], _grads(2)["b"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("low_spec, high_spec", [("powersgd:2", "powersgd:1"),
+                                                 ("ef_topk:0.5", "ef_topk:0.1")])
+def test_shared_memory_is_one_residual_threaded_through_both_settings(low_spec, high_spec):
+  low, high = C.get_compressor(low_spec), C.get_compressor(high_spec)
+  tx = A.accordion(low, high, window=10_000, axis_name=None, seed=3)  # share_memory=True
+  params = _params()
+  state = tx.init(params)
+  names = sorted(params)
+  for i, name in enumerate(names):  # one memory per matrix, none held by the settings
+    assert (jax.tree.leaves(state.memory[i]) != []) == (params[name].ndim >= 2)
+    assert jax.tree.leaves(getattr(state.low[i], "memory", ())) == []
+  plan = [True, False, False, True, False]  # low -> high -> low -> high
+  update = jax.jit(tx.update)
+  run = jax.jit(lambda comp, g, s, k: C.exchange(comp, g, s, k, None), static_argnums=0)
+  ref = {}
+  for i, name in enumerate(names):
+    if params[name].ndim >= 2:
+      a, b = low.init((params[name],)), high.init((params[name],))
+      ref[name] = {"low": a._replace(memory=()), "high": b._replace(memory=()), "m": a.memory}
+  for t, chosen in enumerate(plan):
+    updates, state = _forced(update, state, _grads(t), chosen)
+    for i, name in enumerate(names):
+      if name not in ref:
+        continue
+      r, setting = ref[name], "low" if chosen else "high"
+      keys = leaf_keys(C.step_keys(3, jnp.int32(t), None), i)
+      out = run(low if chosen else high, (_grads(t)[name],), r[setting]._replace(memory=r["m"]),
+                keys)
+      r[setting], r["m"] = out.state._replace(memory=()), out.state.memory
+      chex.assert_trees_all_close(updates[name], out.mean[0], rtol=1e-6, atol=1e-6)
+      chex.assert_trees_all_close(state.memory[i], r["m"], rtol=1e-6, atol=1e-6)
+      chex.assert_trees_all_close((state.low[i], state.high[i]), (r["low"], r["high"]),
+                                  rtol=1e-6, atol=1e-6)
+  assert float(sum(jnp.abs(x).sum() for x in jax.tree.leaves(state.memory))) > 0
 
 
 def test_ledger_and_row_on_one_site():
@@ -287,15 +323,14 @@ def test_shard_map_decisions_equal_on_all_sites_and_ledger_is_the_chosen_branch(
   raw = sum(32 * x.size for x in leaves if x.ndim < 2)
 
   hlo = ts._run.lower(state, ts.place_batch(_non_iid_batch(0))).compile().as_text()
-  # one conditional per matrix whose branches hold PowerSGD's all-reduces (low) and
-  # TopK's all-gather (high); the window-end norm all-reduce sits in a conditional of its own.
-  switches = [b for b in _branch_collectives(hlo) if {"all-gather"} in b]
-  assert len(switches) == 2, _branch_collectives(hlo)
-  for branches in switches:
-    assert sorted(map(sorted, branches)) == [["all-gather"], ["all-reduce"]]
-  assert ((set(), {"all-reduce"}) in _branch_collectives(hlo)
-          or ({"all-reduce"}, set()) in _branch_collectives(hlo))
-
+  # one conditional per setting and shape group (here each matrix is its own group): a branch
+  # with PowerSGD's all-reduces (low) or TopK's all-gather (high), and an empty one (no member
+  # chose that setting); the 1-D tensors ride with the window-end norms in one conditional
+  # whose branches both all-reduce (riders + norms, or the riders alone).
+  found = _branch_collectives(hlo)
+  switches = sorted(sorted(map(sorted, b)) for b in found if set() in b)
+  assert switches == [[[], ["all-gather"]]] * 2 + [[[], ["all-reduce"]]] * 2, found
+  assert ({"all-reduce"}, {"all-reduce"}) in found, found
   seen_low, seen_high = False, False
   for t in range(8):
     state, _ = ts(state, _non_iid_batch(t))

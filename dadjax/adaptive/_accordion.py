@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._core.bits import as_bits
-from dadjax._core.vma import cond
 from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import path_names
@@ -31,23 +29,22 @@ from dadjax.adaptive._detector import (
     check_window,
     detector_init,
     detector_lr_decrease,
-    detector_update,
+    detector_update_with,
     norm_bits,
 )
+from dadjax.adaptive._switch import compressed, split_memory, switch
 from dadjax.comm import (
     Bits,
     CommStats,
     bits_add,
     bits_const,
     bits_from_count,
-    bits_zero,
     host_array,
     ledger_init,
     ledger_record,
-    metered_pmean,
     tree_dense_bits,
 )
-from dadjax.compress import Compressor, exchange, leaf_keys, shardable_compressors, step_keys
+from dadjax.compress import Compressor, shardable_compressors, step_keys
 
 
 class AccordionState(NamedTuple):
@@ -59,6 +56,8 @@ class AccordionState(NamedTuple):
       and window ``norms``, one entry per leaf of the parameters).
     low: one state of the ``low`` setting per leaf (``()`` for ndim <= 1).
     high: one state of the ``high`` setting per leaf (``()`` for ndim <= 1).
+    memory: per leaf, the error-feedback memory both settings share (then
+      their states in ``low`` / ``high`` hold ``memory=()``), or ``()``.
     compressed: (T,) bool, per leaf: ndim >= 2 (sent through a compressor).
     sent_low: (T,) bool, per leaf: sent with ``low`` in the last step (False
       for uncompressed leaves).
@@ -71,6 +70,7 @@ class AccordionState(NamedTuple):
   detector: DetectorState
   low: tuple
   high: tuple
+  memory: tuple
   compressed: jax.Array
   sent_low: jax.Array
   lr: jax.Array
@@ -79,10 +79,6 @@ class AccordionState(NamedTuple):
   def metrics_row(self, params: Any = None) -> dict:
     """:func:`accordion_row` of this state (the train loop merges it into its rows)."""
     return accordion_row(self, params)
-
-
-def _compressed(leaf) -> bool:
-  return len(jnp.shape(leaf)) >= 2
 
 
 def accordion(
@@ -95,6 +91,7 @@ def accordion(
     lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
     axis_name: str | None = "data",
     seed: int = 0,
+    share_memory: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Accordion: compress with ``low`` in critical regimes and ``high`` elsewhere.
 
@@ -152,12 +149,21 @@ def accordion(
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
-    lows = tuple(low.init((x,)) if _compressed(x) else () for x in leaves)
-    highs = tuple(high.init((x,)) if _compressed(x) else () for x in leaves)
-    compressed = jnp.asarray([_compressed(x) for x in leaves], bool)
-    return AccordionState(jnp.zeros([], jnp.int32), detector_init(params), lows, highs,
-                          compressed, jnp.zeros([len(leaves)], bool), jnp.float32(-1.0),
-                          ledger_init())
+    lows, highs, memory = [], [], []
+    for x in leaves:
+      if not compressed(x):
+        lows.append(()), highs.append(()), memory.append(())
+        continue
+      a, b = low.init((x,)), high.init((x,))
+      if share_memory:
+        a, b, m = split_memory(a, b)
+      else:
+        m = ()
+      lows.append(a), highs.append(b), memory.append(m)
+    flags = jnp.asarray([compressed(x) for x in leaves], bool)
+    return AccordionState(jnp.zeros([], jnp.int32), detector_init(params), tuple(lows),
+                          tuple(highs), tuple(memory), flags, jnp.zeros([len(leaves)], bool),
+                          jnp.float32(-1.0), ledger_init())
 
   def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
     require_whole_leaves("accordion", shardable_compressors)  # its decisions read per-tensor gradient norms
@@ -173,51 +179,27 @@ def accordion(
       detector = detector_lr_decrease(detector, lr_decreased)
     keys = step_keys(seed, state.count, axis_name)
 
-    mean = list(leaves)
-    lows, highs = list(state.low), list(state.high)
-    reduce, gather = bits_zero(), bits_zero()
-    reduce_calls, gather_calls = jnp.int32(0), jnp.int32(0)
-    for i, x in enumerate(leaves):
-      if not _compressed(x):
-        continue
-      k = leaf_keys(keys, i)
-
-      def branch(compressor, chosen_low, x=x, k=k):
-        def run(ops):
-          s_low, s_high = ops
-          out = exchange(compressor, (x,), s_low if chosen_low else s_high, k, axis_name)
-          t = out.traffic
-          new_low, new_high = (out.state, s_high) if chosen_low else (s_low, out.state)
-          return (out.mean[0].astype(x.dtype), new_low, new_high, as_bits(t.reduce),
-                  as_bits(t.gather), jnp.int32(t.reduce_calls), jnp.int32(t.gather_calls))
-        return run
-
-      m, lows[i], highs[i], r, g, rc, gc = cond(
-          detector.critical[i], branch(low, True), branch(high, False),
-          (state.low[i], state.high[i]))
-      mean[i] = m
-      reduce, gather = bits_add(reduce, r), bits_add(gather, g)
-      reduce_calls, gather_calls = reduce_calls + rc, gather_calls + gc
-
-    raw = [i for i, x in enumerate(leaves) if not _compressed(x)]
-    if raw:
-      averaged, t = metered_pmean([leaves[i].astype(jnp.float32) for i in raw], axis_name)
-      for i, v in zip(raw, averaged):
-        mean[i] = v.astype(leaves[i].dtype)
-      reduce = bits_add(reduce, as_bits(t.reduce))
-      reduce_calls = reduce_calls + t.reduce_calls
-
+    means, lows, highs, memory, reduce, gather, reduce_calls, gather_calls = switch(
+        low, high, leaves, detector.critical, state.low, state.high, state.memory, keys,
+        axis_name)
+    # The uncompressed tensors ride in the detector's all-reduce (one buffer with the norms).
+    raw = [i for i, x in enumerate(leaves) if not compressed(x)]
     sent_low = state.compressed & detector.critical
-    detector, exchanged = detector_update(detector, updates, window=window, interval=interval,
-                                          eta=eta, axis_name=axis_name)
-    reduce = bits_add(reduce, bits_from_count(exchanged, norm_bits(detector)))
-    reduce_calls = reduce_calls + exchanged.astype(jnp.int32)
+    detector, exchanged, averaged = detector_update_with(
+        detector, updates, tuple(leaves[i].astype(jnp.float32) for i in raw), window=window,
+        interval=interval, eta=eta, axis_name=axis_name)
+    for i, v in zip(raw, averaged):
+      means[i] = v.astype(leaves[i].dtype)
+    raw_bits = tree_dense_bits(averaged)
+    reduce = bits_add(reduce, bits_add(bits_const(raw_bits),
+                                       bits_from_count(exchanged, norm_bits(detector))))
+    reduce_calls = reduce_calls + jnp.where(exchanged | bool(raw), 1, 0).astype(jnp.int32)
     comm = ledger_record(state.comm, reduce=reduce, gather=gather,
                          dense=tree_dense_bits(updates), reduce_calls=reduce_calls,
                          gather_calls=gather_calls)
-    new_state = AccordionState(state.count + 1, detector, tuple(lows), tuple(highs),
+    new_state = AccordionState(state.count + 1, detector, lows, highs, memory,
                                state.compressed, sent_low, lr, comm)
-    return jax.tree.unflatten(treedef, mean), new_state
+    return jax.tree.unflatten(treedef, means), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -37,7 +37,7 @@ from dadjax._core.critical import is_critical
 from dadjax._core.linalg import safe_norm
 from dadjax._core.validate import check_int, is_real
 from dadjax._core.vma import cond
-from dadjax.comm import metered_pmean
+from dadjax.comm import axis_size, metered_psum
 
 NORM_BITS = 32  # one fp32 norm per tensor per window
 
@@ -134,26 +134,56 @@ def detector_update(
     this step ended a window and the norms were all-reduced
     (``T * 32`` bits in one call, see :func:`norm_bits`).
   """
+  state, exchanged, _ = detector_update_with(state, grads, (), window=window, interval=interval,
+                                             eta=eta, axis_name=axis_name, whole_model=whole_model)
+  return state, exchanged
+
+
+def detector_update_with(
+    state: DetectorState,
+    grads: Any,
+    riders: tuple,
+    *,
+    window: int,
+    interval: int = 1,
+    eta: float = 0.5,
+    axis_name: str | None = "data",
+    whole_model: bool = False,
+) -> tuple[DetectorState, jax.Array, tuple]:
+  """:func:`detector_update` whose norms share one all-reduce with ``riders``.
+
+  ``riders`` (fp32 arrays this site all-reduces every step, e.g. Accordion's
+  uncompressed 1-D tensors) are averaged over the sites in the same buffer
+  as the window-end norms (a window end: one all-reduce of riders + norms;
+  any other step: one of the riders alone, none without riders).
+
+  Returns:
+    ``(state, exchanged, riders_mean)``.
+  """
   leaves = jax.tree.leaves(grads)
   accum = tuple(a + x.astype(jnp.float32) for a, x in zip(state.accum, leaves))
   steps = state.steps + 1
   end = steps >= window
+  n = axis_size(axis_name)
 
   def close(ops):
-    accum, _, windows, ref, _, critical = ops
-    norms, _ = metered_pmean(_local_norms(accum, whole_model), axis_name)
+    accum, _, windows, ref, _, critical, riders = ops
+    (riders, norms), _ = metered_psum((riders, _local_norms(accum, whole_model)), axis_name)
+    riders, norms = tuple(r / n for r in riders), norms / n
     check = windows % interval == 0
     critical = jnp.where(check, is_critical(ref, norms, eta), critical)
     ref = jnp.where(check, norms, ref)
     zeros = tuple(jnp.zeros_like(a) for a in accum)
-    return zeros, jnp.zeros([], jnp.int32), windows + 1, ref, norms, critical
+    return zeros, jnp.zeros([], jnp.int32), windows + 1, ref, norms, critical, riders
 
   def keep(ops):
-    return ops
+    *kept, riders = ops
+    riders, _ = metered_psum(riders, axis_name)
+    return (*kept, tuple(r / n for r in riders))
 
-  ops = (accum, steps, state.windows, state.ref_norms, state.norms, state.critical)
-  accum, steps, windows, ref, norms, critical = cond(end, close, keep, ops)
-  return DetectorState(steps, windows, accum, ref, norms, critical), end
+  ops = (accum, steps, state.windows, state.ref_norms, state.norms, state.critical, tuple(riders))
+  accum, steps, windows, ref, norms, critical, riders = cond(end, close, keep, ops)
+  return DetectorState(steps, windows, accum, ref, norms, critical), end, riders
 
 
 def norm_bits(state: DetectorState) -> int:
