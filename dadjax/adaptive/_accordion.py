@@ -1,15 +1,19 @@
 """``accordion(low, high)``: per tensor, switch between two compressor settings.
 
 Each update: the detector's current decision picks, per tensor with ndim >= 2,
-the ``low``-compression setting (critical regime) or the ``high`` one; the
-choice is a ``lax.cond`` on a decision that is equal on every site, so every
-site issues the same collectives, and the compiled step holds both branches'
-collectives but runs only the chosen one. Each setting keeps its own state per
-tensor (PowerSGD's warm-start ``Q``, error-feedback memory); the setting that
-is not chosen keeps its state untouched, so after an excursion to the other
-setting it resumes where it stopped. Tensors with ndim <= 1 are all-reduced
-uncompressed in fp32. Then the detector takes this step's uncompressed local
-gradient (see :mod:`dadjax.adaptive._detector`).
+the ``low``-compression setting (critical regime) or the ``high`` one. The
+decisions are equal on every site, so every site issues the same collectives.
+The tensors are batched by shape (:mod:`dadjax.adaptive._switch`): per group
+of equal-shape tensors and per setting, one vmapped exchange under one
+``lax.cond`` that runs only when some member chose that setting; each tensor
+then takes its own setting's result by a select. The setting a tensor did not
+choose keeps its state (PowerSGD's warm-start ``Q``) untouched, so after an
+excursion to the other setting it resumes where it stopped; the residual
+(error-feedback) memory is one per tensor, shared by both settings (see
+:func:`accordion`, ``share_memory``). Tensors with ndim <= 1 are all-reduced
+uncompressed in fp32, in one buffer with the detector's window-end norms.
+Then the detector takes this step's uncompressed local gradient (see
+:mod:`dadjax.adaptive._detector`).
 """
 
 from __future__ import annotations
@@ -99,13 +103,34 @@ def accordion(
   detector and the per-tensor switch.
 
   Per tensor with ndim >= 2 (a one-leaf tree given to
-  :func:`dadjax.compress.exchange`): ``low`` when the detector marks it
-  critical, else ``high``. Tensors with ndim <= 1 go through one fp32
-  all-reduce. The decision used at step ``t`` is the one of the last check
-  (all tensors critical until the first checks, and all critical after a
-  learning-rate decrease until the next check); the step's uncompressed local
-  gradient then enters the detector. Both settings' states are kept across
-  switches. The ledger records what was sent that step.
+  :func:`dadjax.compress.exchange`, with the tensor's own keys and state):
+  ``low`` when the detector marks it critical, else ``high``. Tensors with
+  ndim <= 1 go through one fp32 all-reduce, together with the detector's
+  norms at window ends. The decision used at step ``t`` is the one of the
+  last check (all tensors critical until the first checks, and all critical
+  after a learning-rate decrease until the next check); the step's
+  uncompressed local gradient then enters the detector.
+
+  Collectives: equal-shape tensors are exchanged as one batch per setting
+  (one collective per round of the compressor per shape group and setting,
+  not per tensor), so a step compiles O(shape groups) exchanges. A group whose
+  tensors all chose one setting sends exactly that setting's payloads; a
+  group whose tensors disagree sends both settings' payloads for all of them
+  (static shapes), and the ledger records what was sent.
+
+  Memory (``share_memory=True``): when both settings keep a residual memory
+  of the same shape (both ``error_feedback(...)`` of some compressor, or both
+  PowerSGD with its own error feedback) the tensor keeps *one* memory, which
+  the setting that runs reads and rewrites; each setting keeps only its own
+  remaining state (PowerSGD's warm-start ``Q``). The memory holds what this
+  site's gradient has not yet delivered, whatever the compression level, so
+  a switch hands it on instead of freezing it. This is the direct reading of
+  the paper's Algorithm 1, which per layer only switches the compression
+  level it calls (``l_low`` or ``l_high``) and keeps no per-level memory; it
+  also keeps the train state at one memory per tensor instead of two.
+  ``share_memory=False`` keeps a memory per
+  setting (each resumes its own after an excursion). The ledger records
+  what was sent that step.
 
   A learning-rate decrease is read from ``lr_schedule`` (``schedule(t) <
   schedule(t - 1)``) or signalled by the caller with the extra argument
@@ -125,6 +150,8 @@ def accordion(
     axis_name: the sites' axis; ``None`` runs as one site.
     seed: seed of the compressors' keys (step ``t``, tensor ``i``:
       ``fold_in(fold_in(key(seed), t), i)``).
+    share_memory: one error-feedback memory per tensor for both settings
+      (default ``True``, see above); ``False``: one per setting.
 
   Returns:
     An optax transformation with state :class:`AccordionState`.
@@ -146,6 +173,8 @@ def accordion(
     raise ValueError(f"lr_schedule must be callable (step -> lr) or None, got {lr_schedule!r}")
   if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
     raise ValueError(f"seed must be an int, got {seed!r}")
+  if not isinstance(share_memory, bool):
+    raise ValueError(f"share_memory must be a bool, got {share_memory!r}")
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
