@@ -87,6 +87,37 @@ def measure(model_name: str, spec: str, sites: int, rows: int) -> dict:
           "state_bytes": state_bytes}
 
 
+def profile(spec: str, layers: int = 2) -> str:
+  """One line: trace / compile seconds and the optimized HLO's size on a small 2-layer LM.
+
+  Op counts are deterministic (unlike times on shared cores): instructions, ``while`` loops,
+  ``conditional`` ops and computations of the compiled module.
+  """
+  method = dadjax.build_method(spec, axis_name="data", seed=0, steps_per_epoch=10,
+                               lr_schedule=optax.constant_schedule(0.1))
+  kw = {} if method.dense is None else {"dense": method.dense}
+  model = TransformerLM(num_layers=layers, d_model=64, num_heads=4, mlp_dim=128, vocab_size=64,
+                        max_len=16, **kw)
+  step = dadjax.make_train_step(model, method.optimizer(optax.sgd(0.1)), num_sites=2,
+                                backend="shard_map",
+                                collections=getattr(method, "collections", None))
+  tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+  state = step.init(jax.random.key(0), batch["x"][:1])
+  placed = step.place_batch(batch)
+  t0 = time.perf_counter()
+  lowered = step._run.lower(state, placed)
+  t1 = time.perf_counter()
+  text = lowered.compile().as_text()
+  t2 = time.perf_counter()
+  lines = text.splitlines()
+  ops = sum(1 for line in lines if " = " in line)
+  computations = sum(1 for line in lines if line and not line.startswith(" ")
+                     and line.rstrip().endswith("{"))
+  return (f"| {spec} | {t1 - t0:.1f} | {t2 - t1:.1f} | {ops} | {text.count(' while(')} | "
+          f"{text.count(' conditional(')} | {computations} |")
+
+
 def _ops_text(row) -> str:
   parts = []
   for kind in sorted(row["ops"]):
@@ -102,10 +133,24 @@ def main(argv=None):
   parser.add_argument("--label", required=True)
   parser.add_argument("--out", default=None)
   parser.add_argument("--models", default="lm,mlp")
-  parser.add_argument("--methods", default=None, help="comma-separated specs (default: all)")
+  parser.add_argument("--methods", default=None, help="specs separated by ';' (default: all)")
   parser.add_argument("--sites", type=int, default=2)
   parser.add_argument("--rows", type=int, default=4, help="rows per site")
+  parser.add_argument("--profile", action="store_true",
+                      help="instead: HLO size per method on a 2-layer d_model 64 LM")
   args = parser.parse_args(argv)
+  if args.profile:
+    lines = [f"\n### HLO profile, {args.label}\n",
+             "| method | trace (s) | compile (s) | HLO instructions | while | conditional | "
+             "computations |", "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for spec in (args.methods or "allreduce;dad;rank_dad:4").split(";"):
+      lines.append(profile(spec))
+      print(lines[-1], flush=True)
+    if args.out:
+      with open(args.out, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=os.path.dirname(dadjax.__file__)).stdout.strip()
   load = os.getloadavg()
@@ -116,7 +161,7 @@ def main(argv=None):
   print("\n".join(lines), flush=True)
   measure("mlp", "allreduce", args.sites, args.rows)  # warm-up: the first compile pays once-only costs
   for model_name in args.models.split(","):
-    specs = METHODS[model_name] if args.methods is None else args.methods.split(",")
+    specs = METHODS[model_name] if args.methods is None else args.methods.split(";")
     if "allreduce" not in specs:
       specs = ["allreduce"] + specs
     base = None
