@@ -204,3 +204,67 @@ def test_fp16_parameters_train_with_allreduce():
   assert state.params["bias"].dtype == jnp.float16
   assert _finite(state.params)
   np.testing.assert_allclose(np.asarray(state.params["bias"], np.float32), -0.1, rtol=1e-2)
+
+
+# -- rank-dAD under Accordion: the layer's own window norm --------------------------------
+
+class HugeAndTiny(nn.Module):
+  """A hidden layer and a head whose output columns get cotangents of 1e30 and 1e-30."""
+
+  dense: object = nn.Dense
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    h = nn.relu(self.dense(8, name="hidden")(x))
+    return self.dense(4, name="head")(h)
+
+
+MIXED, TINY = [1e30, -1e30, 1e-30, -1e-30], [1e-30, -1e-30, 2e-30, 1e-30]
+
+
+@pytest.mark.parametrize("spec, weight", [
+    pytest.param("accordion_rank_dad:2:1:window=2", MIXED, id="accordion-mixed"),
+    pytest.param("accordion_rank_dad:2:1:window=2", TINY, id="accordion-tiny",
+                 marks=pytest.mark.slow),
+    pytest.param("rank_dad:2:two_way:warm:ef", MIXED, id="two-way-mixed", marks=pytest.mark.slow)])
+def test_rank_dad_on_huge_and_tiny_gradients(spec, weight):
+  from dadjax.checkpoint import state_digest
+  method = dadjax.build_method(spec, steps_per_epoch=2)
+  model = HugeAndTiny(dense=method.dense)
+  weight = jnp.asarray(weight, jnp.float32)
+
+  def loss_fn(params, variables, batch, rng, train):
+    del rng, train
+    out = model.apply({**variables, "params": params}, batch["x"])
+    return jnp.mean(jnp.sum(out * weight, axis=1)), out  # kernel gradients of 1e30 and 1e-30
+
+  big = float(np.max(np.abs(weight)))
+  step = dadjax.make_train_step(model, method.optimizer(optax.sgd(0.01 / big)), loss_fn=loss_fn,
+                                metrics_fn=lambda aux, batch: {}, num_sites=SITES,
+                                backend="vmap", batch_stage=method.batch_stage)
+  state = step.init(jax.random.key(0), np.zeros((1, 6), np.float32))
+  before = np.asarray(state.params["head"]["kernel"])
+  for i in range(7):  # three windows (each ends in a check), one step into the fourth
+    state, _ = step(state, _batch(i))
+  assert _finite(state.params)
+  assert state_digest(state)[1] == []  # nothing a save would call "training diverged"
+  # the factors were not lost (G^T G of 1e30 overflows, of 1e-30 underflows)
+  assert np.any(np.asarray(state.params["head"]["kernel"])[:, :2] != before[:, :2])
+  if not spec.startswith("accordion"):
+    return
+  head = jax.tree.map(np.asarray, dadjax.dad.current_state(
+      jax.tree.map(lambda x: x[0], state.model_state["dad_state"]["head"]["dad"])))
+  # neither inf (1e30 squared) nor 0 (1e-30 squared), and each window is compared
+  assert big < head["norm"] < np.inf and head["ref_norm"] == head["norm"]
+  assert 0 < head["win_norm"] < np.inf and head["windows"] == 3
+
+
+def test_dataquant_gradient_norm_scores_of_huge_and_tiny_rows():
+  from dadjax import dataquant
+  x = np.ones((3, 5), np.float32) * np.asarray([[1e30], [1e-30], [1.0]], np.float32)
+  params = {"w": jnp.ones((5,)), "v": jnp.ones((2,))}
+  loss_fn = lambda p, batch: (jnp.sum(batch["x"] @ p["w"] + batch["x"][:, 0] * jnp.sum(p["v"])),
+                              None)  # a row's gradient: (x, x_0, x_0)
+  scores = np.asarray(dataquant.grad_norm_scores(loss_fn, params, {"x": x}), np.float64)
+  want = np.sqrt(7) * np.asarray([1e30, 1e-30, 1.0])
+  np.testing.assert_allclose(scores, want, rtol=1e-6)  # neither inf (1e30^2) nor 0 (1e-30^2)

@@ -30,6 +30,40 @@ def safe_norm(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array
   return norm if keepdims else jnp.squeeze(norm, axis=axis)
 
 
+def pow2_unit(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(x / 2^e, e)`` with ``2^e`` the power of two just above ``max |x|`` (int32 ``e``).
+
+  Only the exponents change, so the scaling is exact (no rounding) and
+  products of scaled operands are the unscaled ones times a power of two:
+  a computation on them rounds exactly as it would on ``x``, but cannot
+  overflow (entries are below 1) or underflow where ``x`` is tiny. ``e`` is
+  kept within ``[-125, 126]`` (the scale factor stays a normal float32) and
+  is 0 for a zero or non-finite ``x``. Undo with :func:`pow2_scale`.
+  """
+  top = jnp.max(jnp.abs(x))
+  _, e = jnp.frexp(top)  # top = m 2^e, 0.5 <= m < 1
+  e = jnp.where((top > 0) & jnp.isfinite(top), jnp.clip(e, -125, 126), 0).astype(jnp.int32)
+  return x * jnp.ldexp(jnp.ones((), x.dtype), -e), e
+
+
+def pow2_scale(x: jax.Array, e: jax.Array) -> jax.Array:
+  """``x 2^e`` for an int32 ``e`` in ``[-252, 252]``, exactly, in two factors (each a normal
+  float32; the intermediate lies between ``x`` and the result, so only a result out of
+  range overflows or underflows)."""
+  half = e // 2
+  one = jnp.ones((), x.dtype)
+  return x * jnp.ldexp(one, half) * jnp.ldexp(one, e - half)
+
+
+def tree_safe_norm(tree) -> jax.Array:
+  """The global Euclidean norm of a pytree's leaves, scale-safe (:func:`safe_norm` of the
+  leaves' :func:`safe_norm`); 0 for a tree without leaves."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  return safe_norm(jnp.stack([safe_norm(jnp.ravel(x)).astype(jnp.float32) for x in leaves]))
+
+
 def project_out(v: jax.Array, basis: jax.Array | None, rtol: float) -> tuple[jax.Array, jax.Array]:
   """``v`` made orthogonal to ``basis`` and normalized, or 0 if nothing is left.
 

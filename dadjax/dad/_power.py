@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dadjax._core.vma import vary_like
-from dadjax._core.linalg import project_out, safe_norm
+from dadjax._core.linalg import pow2_scale, pow2_unit, project_out, safe_norm
 
 
 class Factors(NamedTuple):
@@ -155,7 +155,11 @@ def factorize(
   n, d_in = a.shape
   d_out = d.shape[1]
   dtype = jnp.result_type(a.dtype, d.dtype, jnp.float32)
-  a, d = a.astype(dtype), d.astype(dtype)
+  # Scaled by powers of two (exact) so that G^T G neither overflows (1e30 gradients) nor
+  # underflows (1e-30): the iteration rounds as on the unscaled G; u and sigma are scaled back.
+  (a, e_a), (d, e_d) = pow2_unit(a.astype(dtype)), pow2_unit(d.astype(dtype))
+  if memory is not None:
+    memory = pow2_scale(memory.astype(dtype), -(e_a + e_d))
   route = product_route(n, d_in, d_out, rank * iters, memory is not None)
   g_mv, gtg_mv = _operators(a, d, memory, route, precision)
   resolution = float(np.sqrt(np.finfo(np.dtype(dtype)).eps))
@@ -203,5 +207,6 @@ def factorize(
            jnp.zeros((), dtype))
   carry = jax.tree.map(lambda c: vary_like(c, *refs), carry)
   basis, us, sigmas, used, _, _ = jax.lax.fori_loop(0, rank, component, carry)
+  us, sigmas = pow2_scale(us, e_a + e_d), pow2_scale(sigmas, e_a + e_d)
   return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
                  iterations=used)

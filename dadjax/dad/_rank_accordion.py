@@ -26,6 +26,13 @@ critical (high rank) when ``|old - new| / old >= eta``; a decrease of
 ``lr_schedule`` makes the layer critical until the next check; the first
 window runs at the high rank.
 
+Nothing is squared outside a scale: ``A`` and ``D`` are scaled exactly by
+powers of two to entries below 1 before the products (:func:`product_norm`),
+the window keeps the norm itself (``win_norm``) and adds each step's with
+``hypot``, and the mean over sites is taken of the norms scaled the same
+way, so gradients of ``1e30`` (whose squares overflow float32) and
+``1e-30`` (whose squares underflow) give finite, non-zero statistics.
+
 References:
   Agarwal et al., "Accordion: Adaptive Gradient Communication via Critical
   Learning Regime Identification", MLSys 2021 (https://arxiv.org/abs/2010.16248);
@@ -42,6 +49,7 @@ import jax.numpy as jnp
 
 from dadjax._core.critical import is_critical, lr_decreased
 from dadjax._core.keys import seed_step_key
+from dadjax._core.linalg import pow2_scale, pow2_unit, safe_norm
 from dadjax._core.vma import cond
 from dadjax.comm import Bits, Traffic, bits_add, bits_const, bits_from_count, metered_all_gather
 from dadjax.dad._power import factorize
@@ -71,16 +79,38 @@ def accordion_gather_bits(config, high_bits: int, kernel_shape, dtype, state) ->
   return bits_add(bits_const(low_bits), bits_from_count(high, high_bits - low_bits))
 
 
-def squared_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
-  """``||a.T @ d||_F^2``; through the Gram matrices ``tr(a a^T d d^T)`` when cheaper."""
+def product_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
+  """``||a.T @ d||_F`` without squaring anything unscaled.
+
+  ``a`` (n, d_in) and ``d`` (n, d_out) are first scaled exactly by powers of
+  two to entries below 1 (:func:`~dadjax._core.linalg.pow2_unit`), so no
+  product overflows and the result is the scaled norm times ``2^(e_a + e_d)``:
+  through the Gram matrices, ``sqrt(tr(a' a'^T d' d'^T))`` (the same bits as
+  the unscaled formula wherever that does not overflow), when that is
+  cheaper (``n (d_in + d_out) <= d_in d_out``), else the scale-safe norm of
+  the formed ``a'^T d'``. Zero when either is zero; float32.
+  """
   n, d_in = a.shape
   d_out = d.shape[1]
   dot = functools.partial(jnp.dot, precision=precision)
-  a, d = a.astype(jnp.float32), d.astype(jnp.float32)
-  if n * (d_in + d_out) <= d_in * d_out:
-    return jnp.sum(dot(a, a.T) * dot(d, d.T))
-  g = dot(a.T, d)
-  return jnp.sum(g * g)
+  (a, e_a), (d, e_d) = pow2_unit(a.astype(jnp.float32)), pow2_unit(d.astype(jnp.float32))
+  if n * (d_in + d_out) <= d_in * d_out:  # >= 0 in exact arithmetic; round-off may dip below
+    scaled = jnp.sqrt(jnp.maximum(jnp.sum(dot(a, a.T) * dot(d, d.T)), 0.0))
+  else:
+    scaled = safe_norm(dot(a.T, d).reshape(-1))
+  return pow2_scale(scaled, e_a + e_d)
+
+
+def squared_norm(a: jax.Array, d: jax.Array, precision=None) -> jax.Array:
+  """``||a.T @ d||_F^2`` (:func:`product_norm` squared: overflows past float32's range)."""
+  return jnp.square(product_norm(a, d, precision))
+
+
+def scale_safe_mean(x: jax.Array) -> jax.Array:
+  """The mean of 1-D ``x`` with no overflow of the sum: taken on ``x`` scaled exactly by a
+  power of two to entries below 1 (the same bits as ``jnp.mean(x)`` where that is finite)."""
+  x, e = pow2_unit(x)
+  return pow2_scale(jnp.mean(x), e)
 
 
 def gather_factors(config, u, v, bias_sum, stat, high, invariant):
@@ -107,7 +137,7 @@ def gather_factors(config, u, v, bias_sum, stat, high, invariant):
       v_all = gathered[:, d_in * r:(d_in + d_out) * r].reshape(n, d_out, r)
       one_way = jnp.einsum("sir,sor->io", u_all, v_all, precision=config.precision)
       gb = jnp.sum(gathered[:, (d_in + d_out) * r:-1], axis=0) if has_bias else jnp.zeros(())
-      return one_way, gb, jnp.mean(gathered[:, -1])
+      return one_way, gb, scale_safe_mean(gathered[:, -1])
     return run
 
   bias_op = bias_sum if has_bias else jnp.zeros((), u.dtype)
@@ -116,15 +146,16 @@ def gather_factors(config, u, v, bias_sum, stat, high, invariant):
   return (one_way, gb if has_bias else None, mean), traffic[config.rank]
 
 
-def detector_step(config, cur, high, win_sq, mean):
+def detector_step(config, cur, high, win_norm, mean):
   """Close the step's window accounting; at a window end decide the next step's rank.
 
   Args:
     config: the layer's ``DadConfig``.
     cur: the current state (``current_state``).
     high: this step's decision (after an LR decrease).
-    win_sq: this site's summed squared norms of the window so far, this step included.
-    mean: the sites' mean of ``sqrt(win_sq)`` (equal on every site).
+    win_norm: this site's window statistic so far, this step included,
+      ``sqrt(sum_t ||A_t^T D_t||_F^2)``.
+    mean: the sites' mean of ``win_norm`` (equal on every site).
 
   Returns:
     The detector's new state fields.
@@ -136,7 +167,7 @@ def detector_step(config, cur, high, win_sq, mean):
   critical = jnp.where(check, is_critical(cur["ref_norm"], mean, config.accordion_eta), high)
   return {
       "critical": critical.astype(jnp.float32),
-      "win_sq": jnp.where(end, 0.0, win_sq),
+      "win_norm": jnp.where(end, 0.0, win_norm),
       "win_steps": jnp.where(end, 0.0, steps),
       "windows": windows + end.astype(jnp.float32),
       "ref_norm": jnp.where(check, mean, cur["ref_norm"]),
@@ -160,10 +191,9 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
   keep = jnp.arange(r_high) < jnp.where(high, r_high, config.rank_low)
   u, v = fac.u * keep, fac.v * keep
   bias_sum = jnp.sum(d, axis=0).astype(fac.u.dtype) if has_bias else None
-  win_sq = cur["win_sq"] + squared_norm(a, d, config.precision)
-  (one_way, gb, mean), traffic = gather_factors(config, u, v, bias_sum, jnp.sqrt(win_sq), high,
-                                                invariant)
-  extra = detector_step(config, cur, high, win_sq, mean)
+  win_norm = jnp.hypot(cur["win_norm"], product_norm(a, d, config.precision))  # no squares
+  (one_way, gb, mean), traffic = gather_factors(config, u, v, bias_sum, win_norm, high, invariant)
+  extra = detector_step(config, cur, high, win_norm, mean)
   extra["rank"] = jnp.sum((fac.sigma > 0) & keep).astype(jnp.float32)
   if config.warm_start:
     extra["basis"] = v

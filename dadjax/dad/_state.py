@@ -31,7 +31,7 @@ from dadjax.dad._config import DadConfig
 
 STATE_NAME = "dad"
 # Extra fields of a layer under Accordion (``rank_low``).
-ACCORDION_FIELDS = ("critical", "win_sq", "win_steps", "windows", "ref_norm", "norm", "rank_used")
+ACCORDION_FIELDS = ("critical", "win_norm", "win_steps", "windows", "ref_norm", "norm", "rank_used")
 
 
 def init_state(config: DadConfig, d_in: int, d_out: int) -> dict[str, jax.Array] | None:

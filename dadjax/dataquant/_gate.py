@@ -26,7 +26,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from dadjax._core.linalg import tree_safe_norm
 
 GATE_MODES = ("threshold", "sample")
 SCORES = ("loss", "grad_norm")
@@ -84,11 +85,15 @@ def loss_scores(loss_fn: Callable, params: Any, batch: dict) -> jax.Array:
 
 
 def grad_norm_scores(loss_fn: Callable, params: Any, batch: dict) -> jax.Array:
-  """Global norm of each row's own loss gradient, ``(rows,)`` (vmapped backward passes)."""
+  """Global norm of each row's own loss gradient, ``(rows,)`` (vmapped backward passes).
+
+  The norm is scale-safe (:func:`~dadjax._core.linalg.tree_safe_norm`): rows whose
+  gradients are ``1e30`` or ``1e-30`` get finite, non-zero scores.
+  """
 
   def one(row):
     g = jax.grad(lambda p: loss_fn(p, jax.tree.map(lambda v: v[None], row))[0])(params)
-    return optax.tree.norm(g)
+    return tree_safe_norm(g)
 
   return jax.vmap(one)(_rows(batch))
 
