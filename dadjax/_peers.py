@@ -1,4 +1,4 @@
-"""Noticing a lost process in a multi-process run, within a bounded time.
+"""Noticing a lost or failed process in a multi-process run, within a bounded time.
 
 When one process of a run dies (killed, out of memory, its host lost), the
 others block in the next collective. JAX's own coordination service notices
@@ -17,10 +17,30 @@ process with::
 
 and exit code 2. A process that finished its run marks itself done and is
 not waited for.
+
+A process whose run ends with an error (any exception but a signal's
+:class:`~dadjax.errors.Stopped`) publishes ``failed STEP ERROR`` instead, and
+the others end at their next look (within ``peer_timeout_s / 10``), not after
+``peer_timeout_s``, with::
+
+  dadjax: error: process K failed at step N: RuntimeError: <the first line of
+  its error>; the last checkpoint is step M; restart all processes to resume
+
+(exit code 2). The order of leaving is arranged so that every process says
+what it has to say before JAX tears it down (JAX aborts a process at once
+when the coordination service, hosted by process 0, goes away): the failed
+process lets its error propagate (the caller prints it) and, at interpreter
+exit, publishes ``exited`` and waits until every peer has read its error;
+each peer waits for ``exited`` (at most ``3 * period + 1`` s), prints its
+line, acknowledges and leaves; process 0 leaves last. The failed process then
+leaves without JAX's shutdown barrier, which its peers never reach: exit code
+1 when the error was not caught (Python's code), else 2 (the command line's
+code for a dadjax error).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -66,18 +86,76 @@ class PeerWatch:
       self._thread.start()
     return self
 
-  def __exit__(self, exc_type, *exc) -> None:
+  def __exit__(self, exc_type, exc, tb) -> None:
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join(2)
-      if exc_type is None:
-        try:
-          self.client.key_value_set(f"{self.prefix}/{self.process}", "done", allow_overwrite=True)
-        except Exception:  # pylint: disable=broad-except
-          pass
+    if self._thread is None:
+      return
+    self._thread.join(2)
+    from dadjax.errors import Stopped  # pylint: disable=g-import-not-at-top
+    if exc_type is None:
+      self._publish(self.process, "done")
+    elif issubclass(exc_type, Exception) and not issubclass(exc_type, Stopped):
+      self._publish(self.process, f"failed {self.step()} {one_line(exc)}")
+      atexit.register(self._exiting, exc)  # runs before JAX's exit handler (registered earlier)
+
+  @property
+  def period(self) -> float:
+    """Seconds between two beats (and two looks at the peers)."""
+    return max(0.05, self.timeout_s / 10)
+
+  def _key(self, *parts) -> str:
+    return "/".join([self.prefix, *map(str, parts)])
+
+  def _publish(self, *key_and_value) -> None:
+    *key, value = key_and_value
+    try:
+      self.client.key_value_set(self._key(*key), value, allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except  (the service is gone: nobody to tell)
+      pass
+
+  def _get(self, *key) -> str | None:
+    try:
+      return self.client.key_value_try_get(self._key(*key))
+    except Exception:  # pylint: disable=broad-except  (not set, or the service is gone)
+      return None
+
+  def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline:
+      time.sleep(0.02)
+
+  def _peers(self) -> list[int]:
+    return [p for p in range(self.processes) if p != self.process]
+
+  def _leave(self, code: int, without: tuple[int, ...] = ()) -> None:
+    """Publish ``left``; process 0 (the coordination service) first waits (at most 2 s)
+    for every other peer but ``without`` to have left."""
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    self._publish("left", self.process, "1")
+    if self.process == 0:
+      rest = [p for p in self._peers() if p not in without]
+      self._wait(lambda: all(self._get("left", p) is not None for p in rest), 2)
+    os._exit(code)  # pylint: disable=protected-access
+
+  def _exiting(self, error: BaseException) -> None:
+    """At exit after a failure (its error printed): say so, wait (at most ``3 * period + 1``
+    s) until every peer has read it or has ended itself, and leave (see the module doc)."""
+    self._publish("exited", self.process, "1")
+
+    def read(peer):
+      state = self._get(peer)
+      return (self._get("read", peer, self.process) is not None or state == "done"
+              or str(state).startswith("failed "))
+
+    self._wait(lambda: all(read(p) for p in self._peers()), 3 * self.period + 1)
+    self._leave(1 if getattr(sys, "last_value", None) is error else 2)
 
   def _run(self) -> None:
-    period = max(0.05, self.timeout_s / 10)
+    period = self.period
     beat = 0
     seen: dict[int, tuple[str | None, float]] = {}
     started = time.monotonic()
@@ -85,37 +163,55 @@ class PeerWatch:
       beat += 1
       now = time.monotonic()
       try:
-        self.client.key_value_set(f"{self.prefix}/{self.process}", str(beat),
-                                  allow_overwrite=True)
+        self.client.key_value_set(self._key(self.process), str(beat), allow_overwrite=True)
       except Exception as e:  # pylint: disable=broad-except
         text = str(e).strip()
         self._lost(0, "the coordination service of process 0 does not answer: "
                       + (text.splitlines()[0][:120] if text else type(e).__name__))
-      for peer in range(self.processes):
-        if peer == self.process:
-          continue
-        try:
-          value = self.client.key_value_try_get(f"{self.prefix}/{peer}")
-        except Exception:  # pylint: disable=broad-except  (not set yet)
-          value = None
+      for peer in self._peers():
+        value = self._get(peer)
         if value == "done":
           seen[peer] = (value, now)
           continue
+        if value is not None and value.startswith("failed "):
+          self._failed(peer, value)
         last_value, since = seen.get(peer, (None, started))
         if value != last_value:
           seen[peer] = (value, now)
         elif now - since > self.timeout_s and last_value != "done":
           self._lost(peer, f"no sign of life for {self.timeout_s:g} s")
 
+  def _failed(self, peer: int, value: str) -> None:
+    """``peer`` published ``failed STEP ERROR``: wait until it printed its error, then end."""
+    if self._stop.is_set():
+      return
+    _, step, error = value.split(" ", 2)
+    self._wait(lambda: self._get("exited", peer) is not None, 3 * self.period + 1)
+    self._end(f"process {peer} failed at step {step}: {error}",
+              then=lambda: self._publish("read", self.process, peer, "1"))
+
   def _lost(self, peer: int, why: str) -> None:
+    self._end(f"process {peer} stopped responding at step {self.step()} ({why})",
+              without=(peer,))
+
+  def _end(self, what: str, then: Callable[[], None] = lambda: None,
+           without: tuple[int, ...] = ()) -> None:
     if self._stop.is_set():
       return
     try:
       kept = self.last_checkpoint()
     except Exception:  # pylint: disable=broad-except
       kept = None
-    print(f"dadjax: error: process {peer} stopped responding at step {self.step()} ({why}); "
+    print(f"dadjax: error: {what}; "
           + (f"the last checkpoint is step {kept}" if kept is not None
              else "no checkpoint was finished")
           + "; restart all processes to resume", file=sys.stderr, flush=True)
-    os._exit(2)  # pylint: disable=protected-access  (the main thread is stuck in a collective)
+    then()
+    self._leave(2, without)  # the main thread is stuck in a collective
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+  """``TypeName: first line of the message`` (at most ``limit`` characters)."""
+  text = str(exc).strip()
+  line = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+  return line if len(line) <= limit else line[:limit - 3] + "..."

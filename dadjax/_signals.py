@@ -59,7 +59,7 @@ class StopOnSignal:
     self.multi_process = multi_process
     self.last_checkpoint = last_checkpoint
     self.signum: int | None = None
-    self.step = 0  # the last step the loop finished (set by stop_at)
+    self.step = 0  # the last step the loop ran (set by the loop and by stop_at)
     self._previous: dict[int, object] = {}
     self._timer: threading.Timer | None = None
 

@@ -253,7 +253,7 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
       if step == start:
         _report_rows(sites, x.shape, step_fn.num_sites)
       state, metrics = step_fn(state, {"x": x, "y": y}, sites)
-      done = step + 1
+      done = stop.step = step + 1  # the step a peer's or this process's error names
       log_now = done % config.eval_every == 0 or done == config.steps
       save_now = store is not None and (done % config.checkpoint_every == 0
                                         or done == config.steps)

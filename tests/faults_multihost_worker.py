@@ -6,6 +6,8 @@ steps through ``dadjax.train.train`` with checkpoints in CKPT, printing each
 metrics row (``row STEP``) after sleeping SLOW_S seconds (time for a test to
 act between steps); process 0 writes the final parameters to OUT.npz. A
 ``dadjax.errors.Stopped`` ends the process with its exit code and message.
+``fail_at=N`` (not a config field) makes process ``fails`` (another one, default
+1) raise a ``RuntimeError`` right after it logged step N.
 """
 import os
 import sys
@@ -29,12 +31,16 @@ def main():
   process_id, slow = int(process_id), float(slow)
   dadjax.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id))
   overrides = dict(item.split("=", 1) for item in sys.argv[7:])
+  fail_at = int(overrides.pop("fail_at", -1))  # process FAILS raises after logging this step
+  fails = int(overrides.pop("fails", 1))
   config = Config(**TRAIN_CONFIG, steps=int(steps), checkpoint_dir=ckpt).replace(
       **{k: _parse_value(k, v) for k, v in overrides.items()})
 
   def log(row):
     time.sleep(slow)
     print(f"row {row['step']}", flush=True)
+    if process_id == fails and row["step"] == fail_at:
+      raise RuntimeError(f"injected failure after step {fail_at}")
 
   try:
     run = train(config, progress=False, log=log)

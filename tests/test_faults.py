@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 import sys
 
 import chex
@@ -922,6 +923,28 @@ def test_lost_process_stops_the_survivor_within_peer_timeout(tmp_path):
   assert re.fullmatch(r"dadjax: error: process 1 stopped responding at step \d+ \(no sign of "
                       r"life for 3 s\); the last checkpoint is step \d+; restart all processes "
                       r"to resume", last), last
+
+
+@pytest.mark.multihost
+@pytest.mark.parametrize("fails", [1, pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["process-1-fails", "process-0-fails"])
+def test_an_error_in_one_process_ends_the_other_promptly_with_that_error(tmp_path, fails):
+  ckpt = tmp_path / "ckpt"
+  procs = _two_processes(tmp_path, ckpt, 200, 0.1, "eval_every=1", "checkpoint_every=2",
+                         "peer_timeout_s=30", "fail_at=5", f"fails={fails}")
+  _wait_for_row(procs[fails], 5)  # that process raises right after this row
+  failed = time.monotonic()
+  errs = _finish(procs, timeout=60)
+  took = time.monotonic() - failed
+  other = 1 - fails
+  assert procs[other].returncode == 2, errs[other][-3000:]
+  assert re.fullmatch(rf"dadjax: error: process {fails} failed at step 5: RuntimeError: injected "
+                      r"failure after step 5; the last checkpoint is step 4; restart all "
+                      r"processes to resume", errs[other].strip()), errs[other][-3000:]
+  # the failed process printed its own error and left with Python's code, not JAX's abort
+  assert procs[fails].returncode == 1, errs[fails][-3000:]
+  assert errs[fails].strip().endswith("RuntimeError: injected failure after step 5"), errs[fails]
+  assert took < 15, took  # one look at the peers (3 s), not peer_timeout_s (30 s)
 
 
 @pytest.mark.multihost
