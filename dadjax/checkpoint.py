@@ -38,6 +38,7 @@ for every sharding and process, and nothing is copied to the host.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import fcntl
@@ -628,25 +629,64 @@ def stop_writer_threads(timeout_s: float = 5.0) -> list[str]:
   return [t.name for t in threads if t.is_alive()]
 
 
-def _drop_orbax_unraisables() -> None:
-  """Closing an orbax coroutine whose event loop already closed (a failed save's cancelled
-  writers, or a read abandoned with them) raises "Event loop is closed" in the coroutine's
-  cleanup, which Python prints as "Exception ignored in"; drop exactly those and pass every
-  other report on."""
-  previous = sys.unraisablehook
-  if getattr(previous, "_dadjax_orbax_filter", False):
+def _settle(loop, timeout_s: float = 30.0) -> None:
+  """Run ``loop`` until the tasks still pending on it are done (at most ``timeout_s``, then
+  cancel the rest), and read their exceptions so that none is reported as unread."""
+  pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+  if pending:
+    loop.run_until_complete(asyncio.wait(pending, timeout=timeout_s))
+    rest = [t for t in pending if not t.done()]
+    for t in rest:
+      t.cancel()
+    if rest:
+      loop.run_until_complete(asyncio.wait(rest, timeout=1.0))
+  for t in pending:
+    if t.done() and not t.cancelled():
+      t.exception()
+
+
+def _settle_orbax_loops() -> None:
+  """Let a failed orbax operation's other writes finish before its event loop closes.
+
+  orbax runs each synchronous part of a save in a fresh event loop
+  (``asyncio_utils._run_sync_via_new_loop``: ``run_until_complete``, then
+  ``close``). When one TensorStore write fails (no space left, a read-only or
+  vanished directory), the gathering coroutine raises at once and the loop is
+  closed while the other writes' tasks still await their TensorStore futures;
+  each of those futures later completes on a TensorStore thread, whose
+  callback posts to the closed loop (``call_soon_threadsafe``) and prints
+  "Exception ignored ... RuntimeError: Event loop is closed" (and the
+  abandoned tasks print "Task was destroyed but it is pending"). Here the
+  loop, when its coroutine raised, first runs until those tasks are done
+  (each fails or finishes within moments; at most 30 s, then they are
+  cancelled), then closes. A success is untouched. A no-op if this orbax has
+  no such function.
+  """
+  # pylint: disable=g-import-not-at-top,protected-access
+  try:
+    from orbax.checkpoint._src import asyncio_utils
+  except ImportError:
+    return
+  original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
+  if original is None or getattr(original, "_dadjax_settles", False):
     return
 
-  def hook(unraisable):
-    code = getattr(unraisable.object, "cr_code", None)
-    if (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-        and isinstance(unraisable.exc_value, RuntimeError)
-        and "closed" in str(unraisable.exc_value)):
-      return
-    previous(unraisable)
+  def run(coro):
+    loop = asyncio.new_event_loop()
+    try:
+      asyncio.set_event_loop(loop)
+      try:
+        return loop.run_until_complete(coro)
+      except BaseException:
+        _settle(loop)
+        raise
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
 
-  hook._dadjax_orbax_filter = True  # pylint: disable=protected-access
-  sys.unraisablehook = hook
+  run._dadjax_settles = True
+  run.__doc__ = original.__doc__
+  asyncio_utils._run_sync_via_new_loop = run
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:
@@ -680,4 +720,4 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
   os.replace(tmp, path)
 
 
-_drop_orbax_unraisables()
+_settle_orbax_loops()
