@@ -128,6 +128,11 @@ def factorize(
   kept: ``G`` has no more. A warm start that lies in the span of the found
   components falls back to the random start.
 
+  ``a`` and ``d`` are first scaled exactly by powers of two to entries below 1
+  (``u`` and ``sigma`` are scaled back), so ``G^T G`` neither overflows for
+  gradients of 1e30 nor underflows for 1e-30; elsewhere the result has the
+  same bits as without the scaling.
+
   Because the found ``b_k`` are orthonormal and ``u = G v``, the result is
   the projection ``G v v^T``: once ``rank`` >= rank(G) the factorization is
   exact, whether or not each component has fully converged.
