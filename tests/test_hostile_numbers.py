@@ -268,3 +268,18 @@ def test_dataquant_gradient_norm_scores_of_huge_and_tiny_rows():
   scores = np.asarray(dataquant.grad_norm_scores(loss_fn, params, {"x": x}), np.float64)
   want = np.sqrt(7) * np.asarray([1e30, 1e-30, 1.0])
   np.testing.assert_allclose(scores, want, rtol=1e-6)  # neither inf (1e30^2) nor 0 (1e-30^2)
+
+
+def test_dataquant_codebooks_of_huge_and_tiny_features_are_exactly_scaled():
+  from dadjax.dataquant import _codebook
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(16, 12)).astype(np.float32)
+  key = jax.random.key(0)
+  book, sizes = _codebook.fit_codebook(x, 2, 4, key)
+  codes = _codebook.encode_codebook(x, book, 2)
+  for e in (70, -70):  # 2^70 ~ 1e21: squared distances overflow; 2^-70: they underflow
+    big_book, big_sizes = _codebook.fit_codebook(np.ldexp(x, e), 2, 4, key)
+    np.testing.assert_array_equal(big_book, np.ldexp(np.asarray(book), e))  # exact
+    np.testing.assert_array_equal(big_sizes, sizes)
+    np.testing.assert_array_equal(
+        _codebook.encode_codebook(np.ldexp(x, e), np.ldexp(np.asarray(book), e), 2), codes)

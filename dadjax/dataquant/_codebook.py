@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.linalg import pow2_scale, pow2_unit
 from dadjax._core.packing import pack_bits, packed_words, unpack_bits
 
 
@@ -49,6 +50,9 @@ def to_blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def _nearest(points: jax.Array, centroids: jax.Array) -> jax.Array:
+  # Both scaled by one power of two (exact: the same argmin) so the squares cannot overflow.
+  _, e = pow2_unit(jnp.stack([jnp.max(jnp.abs(points)), jnp.max(jnp.abs(centroids))]))
+  points, centroids = pow2_scale(points, -e), pow2_scale(centroids, -e)
   d = (jnp.sum(points ** 2, -1, keepdims=True) - 2 * points @ centroids.T
        + jnp.sum(centroids ** 2, -1)[None, :])
   return jnp.argmin(d, axis=-1)
@@ -101,7 +105,9 @@ def kmeans(points: jax.Array, weights: jax.Array, k: int, key: jax.Array,
     Arthur & Vassilvitskii, "k-means++: The Advantages of Careful Seeding",
     SODA 2007.
   """
-  points = jnp.asarray(points, jnp.float32)
+  # On the points scaled exactly by a power of two (entries below 1), so that no squared
+  # distance overflows (1e20 features) or underflows; the centroids are scaled back.
+  points, scale = pow2_unit(jnp.asarray(points, jnp.float32))
   weights = jnp.asarray(weights, jnp.float32)
   centroids = _seed(points, weights, k, key)
 
@@ -113,7 +119,7 @@ def kmeans(points: jax.Array, weights: jax.Array, k: int, key: jax.Array,
 
   centroids = jax.lax.fori_loop(0, iters, lloyd, centroids)
   sizes = jax.ops.segment_sum(weights, _nearest(points, centroids), num_segments=k)
-  return centroids, sizes
+  return pow2_scale(centroids, scale), sizes
 
 
 def fit_codebook(x: jax.Array, bits: int, block: int, key: jax.Array,
