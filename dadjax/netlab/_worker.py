@@ -72,7 +72,7 @@ def _ledger(step_fn, state, batch) -> dict:
 
   ``ops`` holds :class:`~dadjax.comm.CollectiveOps`' fields. A program with
   conditional collectives and a plain ledger (Accordion: one ``lax.cond``
-  per tensor) gets the branches the last step took (``taken``,
+  per setting and shape group) gets the branches the last step took (``taken``,
   :func:`~dadjax.comm.match_branches` on its bits) and ``ops`` of those
   branches; a local-update ledger (:class:`~dadjax.comm.PeriodicStats`)
   keeps every op, with ``exchange_rate`` (``1 / H``), ``peak_share`` and
