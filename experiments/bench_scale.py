@@ -5,7 +5,9 @@ wide MLP 784-1024-1024-10) and each method, the full jitted SPMD train step
 (forward, backward, the method's communication, SGD with momentum 0.9) is
 built with :func:`dadjax.make_train_step` from the method's catalog spec, then:
 
-* **compile s**: wall time of ``lower(...).compile()`` (single run);
+* **compile s**: CPU seconds of ``lower(...).compile()`` (this process, all
+  threads: on shared cores the wall time mostly measures the other jobs;
+  the wall time is printed too), single run;
 * **ops**: the compiled collective ops (:func:`dadjax.comm.hlo_collectives`
   of the optimized HLO), all-reduces + all-gathers; the fp32 step has one
   all-reduce of the gradients plus the metrics' (XLA combines them);
@@ -127,9 +129,10 @@ class Job:
             "y": rng.integers(0, 10, size=(n,)).astype(np.int32)}
     self.state = step.init(jax.random.key(0), host["x"][:batch])
     self.batch = step.place_batch(host)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     self.compiled = step._run.lower(self.state, self.batch).compile()  # pylint: disable=protected-access
-    self.compile_s = time.perf_counter() - t0
+    self.compile_wall = time.perf_counter() - t0
+    self.compile_s = time.process_time() - c0  # CPU seconds: less sensitive to shared cores
     self.ops = None if args.device == "gpu" else hlo_collectives(self.compiled.as_text())
     self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state)) / args.sites
     self.peak = peak_bytes(self.compiled)
@@ -171,7 +174,7 @@ def bench_model(args, model_name) -> list[dict]:
   """Every method on one model against its fp32 all-reduce step."""
   base = Job(args, model_name, "allreduce")
   print(f"# {model_name}: {base.params:,} parameters; fp32 step compiled in "
-        f"{base.compile_s:.1f}s", flush=True)
+        f"{base.compile_s:.1f} CPU s", flush=True)
   rows = []
   for spec in args.methods:
     try:
@@ -194,7 +197,8 @@ def bench_model(args, model_name) -> list[dict]:
            "base_ms": 1e3 * statistics.median(t_base), "state": job.state_bytes,
            "state_ratio": job.state_bytes / base.state_bytes, "peak": job.peak}
     rows.append(row)
-    print(f"{spec:>36}: compile {row['compile_s']:6.1f}s ({row['compile_ratio']:.1f}x)  "
+    print(f"{spec:>36}: compile {row['compile_s']:6.1f} CPU s ({row['compile_ratio']:.1f}x; "
+          f"wall {job.compile_wall:.0f} s)  "
           f"ops {ops_text(job.ops)}  step x{med:.2f} [{q1:.2f}, {q3:.2f}] "
           f"({row['ms']:.0f} vs {row['base_ms']:.0f} ms)  state {row['state'] / 1e6:.1f} MB "
           f"({row['state_ratio']:.2f}x)  peak {mb(job.peak)}", flush=True)
@@ -219,7 +223,7 @@ def mb(x) -> str:
 
 def table(model_name, rows) -> list[str]:
   lines = [f"### {LABELS[model_name]}", "",
-           "| method | compile (s) | vs fp32 | compiled collective ops | step vs fp32: median "
+           "| method | compile (CPU s) | vs fp32 | compiled collective ops | step vs fp32: median "
            "[q1, q3] | step (ms) | train state (MB) | vs fp32 | peak (MB) |",
            "|---|---:|---:|---|---|---:|---:|---:|---:|"]
   for r in rows:
@@ -233,12 +237,87 @@ def table(model_name, rows) -> list[str]:
   return lines + [""]
 
 
-def ablations(args, model_name) -> list[str]:
-  """Kernel timings on the model's parameter shapes, each alone and jitted (see the module)."""
-  from bench_kernels import kernel_table  # pylint: disable=g-import-not-at-top
+def _time(fn, *xs, reps=5):
+  """(compile s, median run ms) of ``jax.jit(fn)`` on ``xs``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*xs).compile()
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(compiled(*xs))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*xs))
+    ts.append(time.perf_counter() - t0)
+  return compile_s, 1e3 * statistics.median(ts)
+
+
+def ablations(args, model_name, base_ms) -> list[str]:
+  """Kernel timings on the model's parameter shapes (one site, no collective), each jitted alone.
+
+  Long because it is one table: each row times one kernel variant on the same gradients.
+
+  Rows: a compressor's compress + decompress in its one-buffer form and in its
+  per-leaf form (``dadjax.compress._segments.FUSED``); the noise alone (one
+  threefry call vs one per leaf); packing + unpacking every entry at QSGD:16's
+  6 bits (codes straddle words) vs 4 bits (they do not); TopK's exact and
+  approximate selection (and the approximate one's recall); PowerSGD's
+  orthogonalization per shape group vs one padded batch.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from dadjax import compress, models  # pylint: disable=g-import-not-at-top
+  from dadjax._core.linalg import orthogonalize  # pylint: disable=g-import-not-at-top
+  from dadjax._core.packing import pack_bits, unpack_bits  # pylint: disable=g-import-not-at-top
+  from dadjax.compress import _powersgd, _segments  # pylint: disable=g-import-not-at-top
+
   name, full, small, shape, _ = MODELS[model_name]
-  return kernel_table(name, small if args.quick else full, shape, LABELS[model_name],
-                      reps=max(3, args.pairs))
+  model = models.get_model(name, 10, **(small if args.quick else full))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, *shape))))["params"]
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
+  grads = jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), shapes)
+  key = compress.step_keys(0, jnp.int32(0), None)
+  rows = []
+
+  def add(what, compile_s, ms, note=""):
+    rows.append(f"| {what} | {compile_s:.1f} | {ms:.1f} | {ms / base_ms:.2f} | {note} |")
+
+  for spec in ("qsgd:16", "terngrad", "topk:0.01"):
+    c = compress.get_compressor(spec)
+    for fused in (True, False):
+      _segments.FUSED = fused
+      roundtrip = lambda g, c=c: c.decompress(c.compress(g, c.init(g), key)[0], g, key)  # a new
+      add(f"`{spec}` compress + decompress, {'one buffer' if fused else 'per leaf'}",  # function:
+          *_time(roundtrip, grads))  # no trace cache across FUSED
+    _segments.FUSED = True
+  leaves = jax.tree.leaves(grads)
+  paths = [str(i) for i in range(len(leaves))]
+  lay = _segments.layout([x.size for x in leaves])
+  add("noise, one threefry call", *_time(lambda k: _segments.segment_uniform(
+      _segments.leaf_site_keys(k, "qsgd", paths), lay), key.site))
+  add("noise, one call per leaf", *_time(lambda k: [jax.random.uniform(
+      jax.random.fold_in(k, i), (x.size,)) for i, x in enumerate(leaves)], key.site))
+  n = lay.size
+  codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, n), jnp.uint32)
+  for bits in (6, 4):
+    add(f"pack + unpack of all {n:,} entries, {bits} bits",
+        *_time(lambda c, b=bits: unpack_bits(pack_bits(c, b), b, n), codes))
+  big = max(leaves, key=lambda x: x.size).reshape(-1)
+  k = max(1, round(0.01 * big.size))
+  exact = jax.jit(lambda x: jax.lax.top_k(jnp.abs(x), k)[1])
+  approx = jax.jit(lambda x: jax.lax.approx_max_k(jnp.abs(x), k, recall_target=0.95)[1])
+  recall = len(np.intersect1d(np.asarray(exact(big)), np.asarray(approx(big)))) / k
+  add(f"top-k of the largest leaf ({big.size:,} entries, k={k:,}), exact", *_time(exact, big))
+  add("the same, approx_max_k", *_time(approx, big), f"recall {recall:.3f}")
+  plan = _powersgd._make_plan([x.shape for x in leaves], 4, 1.0)  # pylint: disable=protected-access
+  ps = [jax.random.normal(jax.random.key(g.m), (len(g.leaves), g.m, g.r)) for g in plan.groups]
+  add(f"PowerSGD orthogonalization, per shape group ({len(ps)} groups)",
+      *_time(lambda ps: [orthogonalize(p) for p in ps], ps))
+  add("the same, one padded batch", *_time(_powersgd._orthogonalize_all, ps))  # pylint: disable=protected-access
+  return [f"#### Kernel ablations, {LABELS[model_name]} (one site, fp32 step {base_ms:.0f} ms)", "",
+          "| kernel | compile (s) | run (ms) | run / fp32 step | |", "|---|---:|---:|---:|---|",
+          *rows, ""]
 
 
 def uptime() -> str:
@@ -264,9 +343,10 @@ def main(argv=None):
   t0 = time.perf_counter()
   out = []
   for model_name in args.models:
-    out += table(model_name, bench_model(args, model_name))
+    rows = bench_model(args, model_name)
+    out += table(model_name, rows)
     if args.ablate:
-      out += ablations(args, model_name)
+      out += ablations(args, model_name, next(r["ms"] for r in rows if r["method"] == "allreduce"))
   head = [f"Command: `{command}`", "",
           f"Devices: {len(jax.devices())} x {dev.platform} ({dev.device_kind}); jax "
           f"{jax.__version__}; {args.sites} sites ({'vmap' if args.device == 'gpu' else 'shard_map'}"

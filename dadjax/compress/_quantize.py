@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import safe_norm
@@ -286,8 +287,35 @@ def sign() -> Compressor:
     voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
     return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
+  def flags(lay):
+    """Buffer positions of each leaf's abstain code (right after its ``d`` signs)."""
+    return np.array([o + d - 1 for o, d in zip(lay.offsets, lay.counts)])
+
+  def compress_all(xs, paths, key):
+    del paths, key
+    lay = seg.layout([x.size + 1 for x in xs])
+    abstain = jnp.stack([jnp.max(jnp.abs(x)) == 0 for x in xs]).astype(jnp.uint32)
+    codes = seg.segments([_sign_codes(x) for x in xs], lay).at[flags(lay)].set(abstain)
+    return seg.pack_segments(codes, 1, lay)
+
+  def decode_all(payloads, likes):
+    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+    codes = seg.unpack_segments(payloads, 1, lay)
+    voting = seg.per_entry(list(jnp.moveaxis(codes[..., flags(lay)] == 0, -1, 0)), lay)
+    votes = jnp.where(codes == 1, -1.0, 1.0) * voting
+    return [v[..., :-1] for v in seg.split(votes, lay)]
+
+  def aggregate_all(gathered, likes):
+    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+    codes = seg.unpack_segments(gathered, 1, lay)  # (sites, N)
+    negatives = jnp.sum(codes, axis=0, dtype=jnp.int32)
+    voters = codes.shape[0] - jnp.sum(codes[:, flags(lay)], axis=0, dtype=jnp.int32)
+    vote = jnp.sign(seg.per_entry(list(voters), lay) - 2 * negatives)
+    return [v[:-1].reshape(l.shape).astype(l.dtype) for v, l in zip(seg.split(vote, lay), likes)]
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
                   shardable=True)
+  return seg.segmented(base, compress_all, decode_all, aggregate_all)
 
 
 @register_compressor("scaled_sign")
@@ -317,5 +345,17 @@ def scaled_sign() -> Compressor:
     negative = unpack_bits(p.words, 1, _size(like)) == 1
     return _signed(p.scale, negative).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign",
-                  shardable=True)
+  def compress_all(xs, paths, key):
+    del paths, key
+    lay = seg.layout([x.size for x in xs])
+    scales = [jnp.sum(jnp.abs(x.astype(jnp.float32))) / x.size for x in xs]
+    words = seg.pack_segments(seg.segments([_sign_codes(x) for x in xs], lay), 1, lay)
+    return [QuantizedPayload(c, w) for c, w in zip(scales, words)]
+
+  def decode_all(payloads, likes):
+    lay = seg.layout(seg.sizes_of(likes))
+    negative = seg.unpack_segments([p.words for p in payloads], 1, lay) == 1
+    return seg.split(_signed(seg.per_entry([p.scale for p in payloads], lay), negative), lay)
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign", shardable=True)
+  return seg.segmented(base, compress_all, decode_all)
