@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.keys import derive_key
+from dadjax._core.keys import derive_key, derive_keys
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import orthogonalize
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import Traffic, axis_size, metered_psum, traffic_add
+from dadjax.compress import _segments as seg
 from dadjax.compress._base import Compressor, Exchanged, Keys, as_keys
 from dadjax.registry import Arg, register_compressor
 
@@ -178,17 +179,23 @@ def powersgd(
     memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
     return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
 
-  def start_q(gi, g, state, key: Keys, grads):
+  def start_qs(plan, state, key: Keys, grads):
     # Keyed by the group's first leaf path: independent of which other
     # leaves this transform sees (e.g. under optax.partition).
-    path = leaf_path(jax.tree_util.tree_flatten_with_path(grads)[0][g.leaves[0]][0])
-    fresh = jax.random.normal(derive_key(key.shared, "powersgd", "start_q", path),
-                              (len(g.leaves), g.n, g.r))
+    items = jax.tree_util.tree_flatten_with_path(grads)[0]
+    paths = [leaf_path(items[g.leaves[0]][0]) for g in plan.groups]
+    shapes = [(len(g.leaves), g.n, g.r) for g in plan.groups]
+    if seg.fused(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
+      lay = seg.layout([math.prod(sh) for sh in shapes])
+      keys = derive_keys(key.shared, [("powersgd", "start_q", p) for p in paths])
+      fresh = [x.reshape(sh) for x, sh in zip(seg.split(seg.segment_normal(keys, lay), lay), shapes)]
+    else:
+      fresh = [jax.random.normal(derive_key(key.shared, "powersgd", "start_q", p), sh)
+               for p, sh in zip(paths, shapes)]
     if not warm_start:
       return fresh
-    prev = state.q[gi]
-    alive = jnp.sum(prev * prev, axis=1, keepdims=True) > 0
-    return jnp.where(alive, prev, fresh)
+    alive = [jnp.sum(prev * prev, axis=1, keepdims=True) > 0 for prev in state.q]
+    return [jnp.where(a, prev, f) for a, prev, f in zip(alive, state.q, fresh)]
 
   def run(grads, state, key, axis_name):
     """The distributed algorithm; returns (Exchanged, payload)."""
@@ -207,7 +214,7 @@ def powersgd(
     for gi, g in enumerate(plan.groups):
       m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
       ms.append(m + state.memory[gi] if error_feedback else m)
-    qs = [start_q(gi, g, state, key, grads) for gi, g in enumerate(plan.groups)]
+    qs = start_qs(plan, state, key, grads) if plan.groups else []
     raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
     raw_sum = psum(raw) if raw and not ms else raw
     ps, q_local = [], []

@@ -110,6 +110,11 @@ def segment_uniform(keys: jax.Array, lay: Layout) -> jax.Array:
   One threefry call for every leaf (entries past ``d`` are draws the leaf does
   not use). Requires :func:`fused` ``(key)``.
   """
+  return _unit_floats(keys, lay)
+
+
+def _unit_floats(keys: jax.Array, lay: Layout) -> jax.Array:
+  """``jax.random.uniform``'s [0, 1) floats of every segment's key, from one threefry call."""
   data = jax.random.key_data(keys)  # (L, 2) uint32
   k1 = per_entry(list(data[:, 0]), lay)
   k2 = per_entry(list(data[:, 1]), lay)
@@ -119,6 +124,18 @@ def segment_uniform(keys: jax.Array, lay: Layout) -> jax.Array:
   # jax.random.uniform's float32 conversion: 23 random mantissa bits of a number in [1, 2), minus 1.
   one = np.array(1.0, np.float32).view(np.uint32)
   return jax.lax.bitcast_convert_type((bits >> np.uint32(32 - 23)) | one, jnp.float32) - 1.0
+
+
+def segment_normal(keys: jax.Array, lay: Layout) -> jax.Array:
+  """Standard normal noise (N,): on segment ``i`` the leaf's ``jax.random.normal(keys[i], (d,))``.
+
+  ``jax.random.normal``'s float32 transform (``sqrt(2) * erf_inv(u)`` of a
+  uniform ``u`` in ``(-1, 1)``) applied to one threefry call for every segment.
+  """
+  lo = np.nextafter(np.float32(-1.0), np.float32(0.0), dtype=np.float32)
+  lo_, hi_ = jnp.asarray(lo), jnp.asarray(np.float32(1.0))
+  u = jax.lax.max(lo_, _unit_floats(keys, lay) * (hi_ - lo_) + lo_)
+  return jax.lax.mul(np.float32(np.sqrt(2)), jax.lax.erf_inv(u))
 
 
 def pack_segments(codes: jax.Array, bits: int, lay: Layout) -> list[jax.Array]:
@@ -205,6 +222,11 @@ def segmented(base, compress_all, decode_all, aggregate_all=None):
     if aggregate_all is not None:
       return rebuild(like, aggregate_all(parts, likes))
     values = decode_all(parts, likes)  # (sites, d) each
+    if all(l.dtype == jnp.float32 for l in likes):  # one mean over the sites for every leaf
+      means = jnp.mean(jnp.concatenate(values, axis=-1), axis=0)
+      sizes = np.cumsum([0] + [v.shape[-1] for v in values])
+      return rebuild(like, [means[a:b].reshape(l.shape) for a, b, l in
+                            zip(sizes[:-1], sizes[1:], likes)])
     return rebuild(like, [jnp.mean(v.astype(l.dtype).astype(jnp.float32), axis=0)
                           .astype(l.dtype).reshape(l.shape) for v, l in zip(values, likes)])
 
