@@ -303,6 +303,7 @@ def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, mo
       params, state = step(params, state, i)
     return params
 
+  monkeypatch.setattr(_segments, "FUSED", True)  # opt-in: faster to compile, slower to run
   bucketed = run()
   monkeypatch.setattr(_metered, "BUCKET", False)
   monkeypatch.setattr(_segments, "FUSED", False)

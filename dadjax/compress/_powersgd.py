@@ -14,7 +14,7 @@ from dadjax._core.validate import check_int
 from dadjax._core.linalg import orthogonalize
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import Traffic, axis_size, metered_psum, traffic_add
-from dadjax.compress import _segments as seg
+import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, Exchanged, Keys, as_keys
 from dadjax.registry import Arg, register_compressor
 
@@ -185,7 +185,7 @@ def powersgd(
     items = jax.tree_util.tree_flatten_with_path(grads)[0]
     paths = [leaf_path(items[g.leaves[0]][0]) for g in plan.groups]
     shapes = [(len(g.leaves), g.n, g.r) for g in plan.groups]
-    if seg.fused(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
+    if seg.batched_draws(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
       lay = seg.layout([math.prod(sh) for sh in shapes])
       keys = derive_keys(key.shared, [("powersgd", "start_q", p) for p in paths])
       fresh = [x.reshape(sh) for x, sh in zip(seg.split(seg.segment_normal(keys, lay), lay), shapes)]

@@ -17,7 +17,7 @@ import numpy as np
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import safe_norm
 from dadjax._core.shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
-from dadjax.compress import _segments as seg
+import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, leafwise
 from dadjax._core.packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
@@ -56,6 +56,9 @@ def _whole_norm(flat: jax.Array) -> jax.Array:
                      Arg("bucket_size", int, within="[1, inf)", doc="entries per norm"))
 def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
   """QSGD: stochastic rounding of ``|g_i| / ||g||_2`` onto ``levels`` levels.
+
+  Long because it is one compressor factory: its per-leaf and one-buffer forms share the
+  levels, the buckets and the code layout.
 
   For a bucket ``v`` (the whole tensor by default) each entry becomes
   ``||v||_2 * sign(v_i) * l_i / s`` with ``s = levels`` and ``l_i`` in

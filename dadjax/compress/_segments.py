@@ -21,6 +21,9 @@ The results are the per-leaf computation's, bit for bit:
 :func:`fused` says when the buffer form applies (``FUSED`` set, whole leaves,
 a threefry key with the partitionable layout); otherwise the compressors run
 their per-leaf form, which is also the reference the tests compare against.
+``FUSED`` is off by default (see its comment): the buffer form compiles in half
+the time but computes slower on XLA:CPU. PowerSGD's warm-start draws (small)
+always come from one call (:func:`batched_draws`).
 """
 
 from __future__ import annotations
@@ -37,18 +40,25 @@ from dadjax._core.keys import derive_keys
 from dadjax._core.packing import WORD_BITS, pack_bits, unpack_bits
 from dadjax._core.shards import shard_axes
 from dadjax._tree_utils import leaf_path
+from dadjax.compress._base import as_keys
 
-# Whether quantizers use the one-buffer form when it applies (read at trace time;
-# False runs the per-leaf form, e.g. to compare the two).
-FUSED = True
+# Whether quantizers use the one-buffer form when it applies (read at trace time).
+# Off by default: measured on ResNet-18 width 64 (experiments/results/bench_scale.md) it
+# halves QSGD's and TernGrad's compile time but runs 3.6x / 8x slower than the per-leaf
+# form (XLA:CPU evaluates the concatenation of 62 segments per element, and the threefry
+# call with a key per entry is 6x slower than one call per leaf), so compute wins.
+FUSED = False
 
 
 def fused(key: jax.Array | None = None) -> bool:
   """Whether the one-buffer form applies now (see the module docstring)."""
   if not FUSED or shard_axes() is not None:
     return False
-  if key is None:
-    return True
+  return key is None or batched_draws(key)
+
+
+def batched_draws(key: jax.Array) -> bool:
+  """Whether :func:`segment_uniform` / :func:`segment_normal` reproduce per-key draws for ``key``."""
   return bool(jax.config.jax_threefry_partitionable) and (
       str(jax.random.key_impl(key)) == "threefry2x32")
 
@@ -185,7 +195,6 @@ def segmented(base, compress_all, decode_all, aggregate_all=None):
       dtype); ``None``: the mean over sites of the per-site decompressions,
       each cast to the leaf's dtype first (what ``base`` computes).
   """
-  from dadjax.compress._base import as_keys  # pylint: disable=g-import-not-at-top
 
   def compress(grads, state, key):
     key = as_keys(key)
