@@ -568,3 +568,19 @@ def test_get_compressor_specs():
     assert isinstance(c, C.Compressor)
     assert c.communication in ("reduce", "gather")
   assert isinstance(C.get_compressor("ef_topk:0.5").init({"a": jnp.ones(3)}), C.ErrorFeedbackState)
+
+
+def test_topk_approx_option_keeps_k_true_entries_with_high_recall():
+  x = jax.random.normal(jax.random.key(4), (20000,))
+  exact = C.get_compressor("topk:0.01")
+  approx = C.get_compressor("topk:0.01:approx=1")
+  key = C.step_keys(0, jnp.int32(0), None)
+  (pe,), _ = exact.compress((x,), exact.init((x,)), key)
+  (pa,), _ = approx.compress((x,), approx.init((x,)), key)
+  assert pa.indices.shape == pe.indices.shape == (200,)
+  np.testing.assert_array_equal(np.asarray(pa.values), np.asarray(x)[np.asarray(pa.indices)])
+  assert len(np.unique(np.asarray(pa.indices))) == 200
+  recall = len(np.intersect1d(np.asarray(pa.indices), np.asarray(pe.indices))) / 200
+  assert recall >= 0.95
+  with pytest.raises(ValueError, match="approx"):
+    C.topk(0.01, approx="yes")

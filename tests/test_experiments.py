@@ -1,6 +1,7 @@
 """Experiment scripts still run end to end (small settings; marked slow)."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,22 @@ def test_compressor_benchmark_runs(tmp_path):
   text = out.read_text()
   assert "topk:0.01" in text and "powersgd:4" in text
   assert "| wire bits/step/site (ring, N=8) | wire ratio vs fp32 | vs bf16 |" in text
+
+
+@pytest.mark.slow
+def test_bench_scale_quick_runs(tmp_path):
+  out = tmp_path / "bench_scale.md"
+  _run(["experiments/bench_scale.py", "--quick", "--models", "mlp", "--methods",
+        "allreduce,qsgd:16,powersgd:4,accordion(powersgd:4,powersgd:1)", "--pairs", "2",
+        "--ablate", "--out", str(out)], tmp_path)
+  text = out.read_text()
+  assert text.startswith("Command: `python experiments/bench_scale.py --quick")
+  assert "Load before: `" in text and "Load after: `" in text
+  for method in ("allreduce", "qsgd:16", "powersgd:4", "accordion(powersgd:4,powersgd:1)"):
+    assert f"| `{method}` | " in text
+  # QSGD's payload (fp32 norms, uint32 words) in at most one all-gather per dtype
+  assert re.search(r"\| `qsgd:16` \|[^\n]*\| 1 AR \+ [12] AG \|", text), text
+  assert "Kernel ablations" in text and "recall" in text
 
 
 @pytest.mark.slow

@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.keys import derive_key
+from dadjax._core.keys import derive_key, derive_keys
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import orthogonalize
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import Traffic, axis_size, metered_psum, traffic_add
+import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, Exchanged, Keys, as_keys
 from dadjax.registry import Arg, register_compressor
 
@@ -70,6 +71,30 @@ def _make_plan(shapes, rank: int, min_compression_rate: float) -> _Plan:
     else:
       raw.append(i)
   return _Plan(tuple(_Group(m, n, r, tuple(ix)) for (m, n, r), ix in groups.items()), tuple(raw))
+
+
+def _orthogonalize_all(mats: list) -> list:
+  """:func:`orthogonalize` of each group's ``(B, m, r)`` stack, as one batched call.
+
+  The stacks are zero-padded to the largest ``m`` and ``r`` and concatenated
+  along the batch: zero rows add nothing to the projections and norms, and
+  zero columns stay zero and are ignored as basis vectors, so each matrix gets
+  its own Gram-Schmidt result; one call instead of one per shape group keeps
+  the program (and its compile time) independent of the number of groups.
+  Only the summation order of the padded dot products differs from the
+  per-group calls (results agree to float32 round-off).
+  """
+  if len(mats) < 2:
+    return [orthogonalize(p) for p in mats]
+  m = max(p.shape[1] for p in mats)
+  r = max(p.shape[2] for p in mats)
+  out = orthogonalize(jnp.concatenate(
+      [jnp.pad(p, ((0, 0), (0, m - p.shape[1]), (0, r - p.shape[2]))) for p in mats]))
+  parts, start = [], 0
+  for p in mats:
+    parts.append(out[start:start + p.shape[0], :p.shape[1], :p.shape[2]])
+    start += p.shape[0]
+  return parts
 
 
 @register_compressor(
@@ -154,17 +179,23 @@ def powersgd(
     memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
     return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
 
-  def start_q(gi, g, state, key: Keys, grads):
+  def start_qs(plan, state, key: Keys, grads):
     # Keyed by the group's first leaf path: independent of which other
     # leaves this transform sees (e.g. under optax.partition).
-    path = leaf_path(jax.tree_util.tree_flatten_with_path(grads)[0][g.leaves[0]][0])
-    fresh = jax.random.normal(derive_key(key.shared, "powersgd", "start_q", path),
-                              (len(g.leaves), g.n, g.r))
+    items = jax.tree_util.tree_flatten_with_path(grads)[0]
+    paths = [leaf_path(items[g.leaves[0]][0]) for g in plan.groups]
+    shapes = [(len(g.leaves), g.n, g.r) for g in plan.groups]
+    if seg.batched_draws(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
+      lay = seg.layout([math.prod(sh) for sh in shapes])
+      keys = derive_keys(key.shared, [("powersgd", "start_q", p) for p in paths])
+      fresh = [x.reshape(sh) for x, sh in zip(seg.split(seg.segment_normal(keys, lay), lay), shapes)]
+    else:
+      fresh = [jax.random.normal(derive_key(key.shared, "powersgd", "start_q", p), sh)
+               for p, sh in zip(paths, shapes)]
     if not warm_start:
       return fresh
-    prev = state.q[gi]
-    alive = jnp.sum(prev * prev, axis=1, keepdims=True) > 0
-    return jnp.where(alive, prev, fresh)
+    alive = [jnp.sum(prev * prev, axis=1, keepdims=True) > 0 for prev in state.q]
+    return [jnp.where(a, prev, f) for a, prev, f in zip(alive, state.q, fresh)]
 
   def run(grads, state, key, axis_name):
     """The distributed algorithm; returns (Exchanged, payload)."""
@@ -183,7 +214,7 @@ def powersgd(
     for gi, g in enumerate(plan.groups):
       m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
       ms.append(m + state.memory[gi] if error_feedback else m)
-    qs = [start_q(gi, g, state, key, grads) for gi, g in enumerate(plan.groups)]
+    qs = start_qs(plan, state, key, grads) if plan.groups else []
     raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
     raw_sum = psum(raw) if raw and not ms else raw
     ps, q_local = [], []
@@ -193,7 +224,7 @@ def powersgd(
         ps, raw_sum = psum((ps, raw))
       else:
         ps = psum(ps)
-      ps = [orthogonalize(p) for p in ps]
+      ps = _orthogonalize_all(ps)
       q_local = [jnp.einsum("bmn,bmr->bnr", m, p) for m, p in zip(ms, ps)]
       qs = psum(q_local)
 
@@ -210,7 +241,7 @@ def powersgd(
       mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
 
     new_state = PowerSGDState(
-        tuple(orthogonalize(q / num_sites) for q in qs) if warm_start else (),
+        tuple(_orthogonalize_all([q / num_sites for q in qs])) if warm_start else (),
         tuple(memory) if error_feedback else ())
     traffic = traffic_add(*sent)
     out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),

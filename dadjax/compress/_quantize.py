@@ -12,10 +12,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import safe_norm
 from dadjax._core.shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
+import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, leafwise
 from dadjax._core.packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
@@ -54,6 +56,9 @@ def _whole_norm(flat: jax.Array) -> jax.Array:
                      Arg("bucket_size", int, within="[1, inf)", doc="entries per norm"))
 def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
   """QSGD: stochastic rounding of ``|g_i| / ||g||_2`` onto ``levels`` levels.
+
+  Long because it is one compressor factory: its per-leaf and one-buffer forms share the
+  levels, the buckets and the code layout.
 
   For a bucket ``v`` (the whole tensor by default) each entry becomes
   ``||v||_2 * sign(v_i) * l_i / s`` with ``s = levels`` and ``l_i`` in
@@ -98,11 +103,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
       v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
       norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
       noise = jax.random.uniform(key.site, v.shape)
-    scaled = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0)[:, None] * s
-    lower = jnp.floor(scaled)
-    up = noise < scaled - lower
-    level = jnp.minimum(lower + up, s).astype(jnp.uint32)
-    codes = (level << 1) | (v < 0).astype(jnp.uint32)
+    codes = _qsgd_codes(v, norm[:, None], noise, s)
     words = pack_bits(codes.reshape(-1)[:d], bits)
     return QuantizedPayload(norm if bucket_size is not None else norm[0], words)
 
@@ -112,11 +113,51 @@ def qsgd(levels: int = 16, bucket_size: int | None = None) -> Compressor:
     b, _ = _buckets(d)
     codes = unpack_bits(p.words, bits, d)
     norm = jnp.repeat(jnp.atleast_1d(p.scale), b)[:d]
-    magnitude = (codes >> 1).astype(jnp.float32) * (norm / s)
-    return _signed(magnitude, (codes & 1) == 1).reshape(like.shape).astype(like.dtype)
+    return _qsgd_values(codes, norm, s).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd",
+  def entry_norms(norm, d):
+    """A leaf's norm(s) (batch + () or batch + (buckets,)) repeated to its entries: batch + (d,)."""
+    if bucket_size is None:
+      return jnp.broadcast_to(norm[..., None], norm.shape + (d,))
+    return jnp.repeat(norm, _buckets(d)[0], axis=-1)[..., :d]
+
+  def compress_all(xs, paths, key):
+    flats = [x.reshape(-1).astype(jnp.float32) for x in xs]
+    lay = seg.layout([f.size for f in flats])
+    if bucket_size is None:
+      norms = [safe_norm(f) for f in flats]
+    else:
+      norms = [safe_norm(jnp.pad(f, (0, nb * b - f.size)).reshape(nb, b), axis=1)
+               for f in flats for b, nb in [_buckets(f.size)]]
+    norm = seg.segments([entry_norms(n, f.size) for n, f in zip(norms, flats)], lay, 1.0)
+    noise = seg.segment_uniform(seg.leaf_site_keys(key.site, "qsgd", paths), lay)
+    words = seg.pack_segments(_qsgd_codes(seg.segments(flats, lay), norm, noise, s), bits, lay)
+    return [QuantizedPayload(n, w) for n, w in zip(norms, words)]
+
+  def decode_all(payloads, likes):
+    lay = seg.layout(seg.sizes_of(likes))
+    codes = seg.unpack_segments([p.words for p in payloads], bits, lay)
+    norm = seg.segments([entry_norms(p.scale, d) for p, d in zip(payloads, lay.counts)], lay, 1.0)
+    return seg.split(_qsgd_values(codes, norm, s), lay)
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd",
                   shardable=bucket_size is None)
+  return seg.segmented(base, compress_all, decode_all)
+
+
+def _qsgd_codes(v, norm, noise, s):
+  """QSGD's codes ``level << 1 | negative`` of entries ``v`` with (broadcast) norms and uniform noise."""
+  scaled = jnp.abs(v) / jnp.where(norm > 0, norm, 1.0) * s
+  lower = jnp.floor(scaled)
+  up = noise < scaled - lower
+  level = jnp.minimum(lower + up, s).astype(jnp.uint32)
+  return (level << 1) | (v < 0).astype(jnp.uint32)
+
+
+def _qsgd_values(codes, norm, s):
+  """fp32 values of QSGD codes with per-entry norms."""
+  magnitude = (codes >> 1).astype(jnp.float32) * (norm / s)
+  return _signed(magnitude, (codes & 1) == 1)
 
 
 @register_compressor("terngrad", Arg("clip", float, within="(0, inf)", doc="clip at clip * std"))
@@ -157,17 +198,47 @@ def terngrad(clip: float | None = 2.5) -> Compressor:
       flat = jnp.clip(flat, -bound, bound)
     scale = whole_max(jnp.max(jnp.abs(flat)))
     noise = slice_uniform(key.site, x.shape).reshape(-1)
-    keep = noise < jnp.abs(flat) / jnp.where(scale > 0, scale, 1.0)
-    codes = keep.astype(jnp.uint32) | ((flat < 0).astype(jnp.uint32) << 1)
-    return QuantizedPayload(scale, pack_bits(codes, 2))
+    return QuantizedPayload(scale, pack_bits(_terngrad_codes(flat, scale, noise), 2))
 
   def decompress_leaf(p, like, key):
     del key
     codes = unpack_bits(p.words, 2, _size(like))
-    magnitude = (codes & 1).astype(jnp.float32) * p.scale
-    return _signed(magnitude, (codes >> 1) == 1).reshape(like.shape).astype(like.dtype)
+    return _terngrad_values(codes, p.scale).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad", shardable=True)
+  def compress_all(xs, paths, key):
+    flats = [x.reshape(-1).astype(jnp.float32) for x in xs]
+    lay = seg.layout([f.size for f in flats])
+    v = seg.segments(flats, lay)
+    if clip is not None:
+      bounds = [clip * safe_norm(f) / math.sqrt(f.size) for f in flats]
+      v = jnp.clip(v, -seg.per_entry(bounds, lay), seg.per_entry(bounds, lay))
+      # max |clip(x, -b, b)| = min(max |x|, b), exactly
+      scales = [jnp.minimum(jnp.max(jnp.abs(f)), b) for f, b in zip(flats, bounds)]
+    else:
+      scales = [jnp.max(jnp.abs(f)) for f in flats]
+    noise = seg.segment_uniform(seg.leaf_site_keys(key.site, "terngrad", paths), lay)
+    codes = _terngrad_codes(v, seg.per_entry(scales, lay), noise)
+    return [QuantizedPayload(c, w) for c, w in zip(scales, seg.pack_segments(codes, 2, lay))]
+
+  def decode_all(payloads, likes):
+    lay = seg.layout(seg.sizes_of(likes))
+    codes = seg.unpack_segments([p.words for p in payloads], 2, lay)
+    return seg.split(_terngrad_values(codes, seg.per_entry([p.scale for p in payloads], lay)), lay)
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad", shardable=True)
+  return seg.segmented(base, compress_all, decode_all)
+
+
+def _terngrad_codes(flat, scale, noise):
+  """TernGrad's 2-bit codes ``negative << 1 | kept`` (``scale`` broadcasts against ``flat``)."""
+  keep = noise < jnp.abs(flat) / jnp.where(scale > 0, scale, 1.0)
+  return keep.astype(jnp.uint32) | ((flat < 0).astype(jnp.uint32) << 1)
+
+
+def _terngrad_values(codes, scale):
+  """fp32 values of TernGrad codes with (broadcast) scales."""
+  magnitude = (codes & 1).astype(jnp.float32) * scale
+  return _signed(magnitude, (codes >> 1) == 1)
 
 
 def _sign_codes(x):
@@ -219,8 +290,35 @@ def sign() -> Compressor:
     voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
     return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
+  def flags(lay):
+    """Buffer positions of each leaf's abstain code (right after its ``d`` signs)."""
+    return np.array([o + d - 1 for o, d in zip(lay.offsets, lay.counts)])
+
+  def compress_all(xs, paths, key):
+    del paths, key
+    lay = seg.layout([x.size + 1 for x in xs])
+    abstain = jnp.stack([jnp.max(jnp.abs(x)) == 0 for x in xs]).astype(jnp.uint32)
+    codes = seg.segments([_sign_codes(x) for x in xs], lay).at[flags(lay)].set(abstain)
+    return seg.pack_segments(codes, 1, lay)
+
+  def decode_all(payloads, likes):
+    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+    codes = seg.unpack_segments(payloads, 1, lay)
+    voting = seg.per_entry(list(jnp.moveaxis(codes[..., flags(lay)] == 0, -1, 0)), lay)
+    votes = jnp.where(codes == 1, -1.0, 1.0) * voting
+    return [v[..., :-1] for v in seg.split(votes, lay)]
+
+  def aggregate_all(gathered, likes):
+    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+    codes = seg.unpack_segments(gathered, 1, lay)  # (sites, N)
+    negatives = jnp.sum(codes, axis=0, dtype=jnp.int32)
+    voters = codes.shape[0] - jnp.sum(codes[:, flags(lay)], axis=0, dtype=jnp.int32)
+    vote = jnp.sign(seg.per_entry(list(voters), lay) - 2 * negatives)
+    return [v[:-1].reshape(l.shape).astype(l.dtype) for v, l in zip(seg.split(vote, lay), likes)]
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
                   shardable=True)
+  return seg.segmented(base, compress_all, decode_all, aggregate_all)
 
 
 @register_compressor("scaled_sign")
@@ -250,5 +348,17 @@ def scaled_sign() -> Compressor:
     negative = unpack_bits(p.words, 1, _size(like)) == 1
     return _signed(p.scale, negative).reshape(like.shape).astype(like.dtype)
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign",
-                  shardable=True)
+  def compress_all(xs, paths, key):
+    del paths, key
+    lay = seg.layout([x.size for x in xs])
+    scales = [jnp.sum(jnp.abs(x.astype(jnp.float32))) / x.size for x in xs]
+    words = seg.pack_segments(seg.segments([_sign_codes(x) for x in xs], lay), 1, lay)
+    return [QuantizedPayload(c, w) for c, w in zip(scales, words)]
+
+  def decode_all(payloads, likes):
+    lay = seg.layout(seg.sizes_of(likes))
+    negative = seg.unpack_segments([p.words for p in payloads], 1, lay) == 1
+    return seg.split(_signed(seg.per_entry([p.scale for p in payloads], lay), negative), lay)
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign", shardable=True)
+  return seg.segmented(base, compress_all, decode_all)
