@@ -37,7 +37,7 @@ from dadjax.parallel import TrainState, TrainStep, initialize, make_mesh, make_t
 from dadjax.registry import Method, SpecError
 from dadjax.stage import BatchStage
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     # subpackages

@@ -122,7 +122,8 @@ def _resnet_params():
 
 @pytest.mark.parametrize("spec, kind", [
     ("allreduce", "reduce"), ("bf16", "reduce"), ("topk:0.01", "gather"), ("qsgd:4", "gather"),
-    ("sign", "gather"), ("powersgd:1", "reduce"), ("powersgd:4", "reduce"),
+    ("sign", "gather"), pytest.param("powersgd:1", "reduce", marks=pytest.mark.slow),
+    ("powersgd:4", "reduce"),
 ])
 def test_resnet18_compiled_bytes_equal_ledger_and_model_charges_ops(spec, kind):
   ops = _resnet_ops(spec, kind)
@@ -262,11 +263,18 @@ def test_replicated_params_typing_collectives_are_booked(kw):
     assert reduce > 0  # per-site effective ranks re-typed invariant: a real pmean, booked
 
 
+# One ResNet program per family in the default run (each compiles for 5-20 s); the other
+# variants of the same bucketing code run with -m slow.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("spec, kind, most", [
     ("topk:0.01", "gather", 2), ("ef_topk:0.01", "gather", 2), ("qsgd:4", "gather", 2),
-    ("qsgd:4:64", "gather", 2), ("sign", "gather", 1), ("ef_sign", "gather", 1),
-    ("scaled_sign", "gather", 2), ("ef_scaled_sign", "gather", 2), ("terngrad", "gather", 2),
-    ("powersgd:4", "reduce", 2), ("powersgd:1", "reduce", 2),
+    pytest.param("qsgd:4:64", "gather", 2, marks=_SLOW), ("sign", "gather", 1),
+    pytest.param("ef_sign", "gather", 1, marks=_SLOW), ("scaled_sign", "gather", 2),
+    pytest.param("ef_scaled_sign", "gather", 2, marks=_SLOW),
+    pytest.param("terngrad", "gather", 2, marks=_SLOW),
+    ("powersgd:4", "reduce", 2), pytest.param("powersgd:1", "reduce", 2, marks=_SLOW),
 ])
 def test_resnet18_collectives_are_bucketed(spec, kind, most):
   # 62 parameter leaves, one packed buffer per collective kind and dtype (PowerSGD: one

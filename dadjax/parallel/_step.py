@@ -144,9 +144,11 @@ class TrainStep:
     for leaf in leaves:
       rows = np.shape(leaf)[0] if np.ndim(leaf) else None
       if rows is None or rows % units or rows == 0:
-        where = (f"{len(sites)} site(s)" if self.per_site == 1 else
-                 f"{len(sites)} site(s) x per_site={self.per_site} devices")
-        kind = "global batch" if len(sites) == self.num_sites else f"batch of sites {list(sites)}"
+        whole = len(sites) == self.num_sites
+        where = f"num_sites={len(sites)}" if whole else f"{len(sites)} site(s)"
+        if self.per_site > 1:
+          where += f" x per_site={self.per_site} devices"
+        kind = "global batch" if whole else f"batch of sites {list(sites)}"
         raise ValueError(
             f"batch: the {kind} of {rows} rows does not divide over "
             f"{where}; use a multiple of {units}")
