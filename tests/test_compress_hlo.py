@@ -317,7 +317,12 @@ def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, mo
   monkeypatch.setattr(_segments, "FUSED", False)
   plain = run()
   for a, b in zip(jax.tree.leaves(bucketed), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=spec)
+    if "scaled_sign" in spec:
+      # Its scale is a mean |g| per leaf; in the one-buffer form XLA reduces it within a segment
+      # of the buffer, whose summation order can differ by the compiler's options (1 ulp seen).
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0, err_msg=spec)
+    else:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=spec)
 
 
 def test_powersgd_one_batched_orthogonalization_equals_per_group():

@@ -115,7 +115,7 @@ def _assert_lists_every_form(err, kind):
     ("topk:abc", "ratio must be a float in (0, 1]"),
     ("topk:0", "ratio must be a float in (0, 1]"),
     ("topk:nan", "ratio must be a float in (0, 1]"),
-    ("topk:fraction=0.1", "unknown argument 'fraction' (arguments: ratio)"),
+    ("topk:fraction=0.1", "unknown argument 'fraction' (arguments: ratio, approx)"),
     ("sign:3", "unexpected argument '3'"),
     ("powersgd:2.5", "rank must be an int"),
     ("powersgd:2:warm_start=maybe", "warm_start must be true or false"),
