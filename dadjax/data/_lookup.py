@@ -16,13 +16,13 @@ A name is one of:
 from __future__ import annotations
 
 import functools
-import importlib
 import pathlib
 import re
 from typing import Any, Callable
 
 import numpy as np
 
+from dadjax._core.imports import import_path
 from dadjax.data._embedded import Dataset
 from dadjax.data._tfds import load_tfds
 
@@ -119,21 +119,13 @@ def load_npz(path: str) -> Dataset:
 
 
 def _imported(path: str) -> Callable[..., Any]:
-  module, _, attr = path.partition(":")
-  try:
-    obj = importlib.import_module(module)
-  except ImportError as e:
-    raise ValueError(f"data set {path!r}: cannot import module {module!r} ({e})") from e
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise ValueError(f"data set {path!r}: module {module!r} has no {attr!r}")
-    obj = getattr(obj, part)
+  obj = import_path(path, "data set")
   if not callable(obj):
     raise ValueError(f"data set {path!r} is not a function")
 
   @functools.wraps(obj)
   def loader(*args, **kwargs):
-    return as_dataset(obj(*args, **kwargs), attr)
+    return as_dataset(obj(*args, **kwargs), path.partition(":")[2])
 
   return loader
 

@@ -12,12 +12,13 @@ user's own: a linen module, or an ``nnx.Module`` (built eagerly as
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import sys
 from typing import Any, Callable
 
 import flax.linen as nn
+
+from dadjax._core.imports import import_path
 
 _MODELS: dict[str, tuple[type, dict]] = {}
 
@@ -42,19 +43,6 @@ def model_names() -> list[str]:
   return sorted(_MODELS)
 
 
-def _import_path(path: str) -> Any:
-  module, _, attr = path.partition(":")
-  try:
-    obj = importlib.import_module(module)
-  except ImportError as e:
-    raise ValueError(f"model {path!r}: cannot import module {module!r} ({e})") from e
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise ValueError(f"model {path!r}: module {module!r} has no {attr!r}")
-    obj = getattr(obj, part)
-  return obj
-
-
 def model_class(name: str) -> tuple[Callable[..., nn.Module], dict]:
   """``(class, default fields)`` of a model name or an import path ``"pkg.mod:Class"``.
 
@@ -63,7 +51,7 @@ def model_class(name: str) -> tuple[Callable[..., nn.Module], dict]:
       path that does not name a class.
   """
   if ":" in name:
-    cls = _import_path(name)
+    cls = import_path(name, "model")
     if not callable(cls):
       raise ValueError(f"model {name!r} is not a class")
     return cls, {}
