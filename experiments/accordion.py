@@ -39,7 +39,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from dadjax.adaptive import plot_decisions
-from dadjax.comm import NetworkModel, comm_stats
+from dadjax.comm import NetworkModel, comm_stats, find_comm_stats, host_array
 from dadjax.config import Config
 from dadjax.train import build, evaluate, state_rows
 
@@ -54,16 +54,42 @@ FAMILIES = {
     # The paper's settings: PowerSGD rank 2 <-> 1 on the CNN, TopK 99% <-> 2% on the LSTM.
     "powersgd21": ("powersgd:2", "powersgd:1"),
     "topk2": ("ef(topk:0.99)", "ef(topk:0.02)"),
+    # Batch-size mode (section 4): 1 micro-batch per update when critical, 8 otherwise.
+    "batch": ("allreduce", 1, 8),
 }
 MODELS = {"mlp": {}, "cnn": {}}
 PARTITIONS = {"iid": {"partition": "iid"}, "dirichlet": {"partition": "dirichlet", "alpha": 0.5}}
 BANDWIDTHS = (1e9, 10e9)
 
 
-def methods_of(family: str) -> list[tuple[str, str]]:
-  """``[(label, spec)]``: static low, static high, Accordion."""
+def methods_of(family: str) -> list[tuple[str, str, float]]:
+  """``[(label, spec, lr multiplier)]``: static low, static high, Accordion.
+
+  The batch-size family's static "low" is the small batch and its static
+  "high" the large one; the large batch steps with ``large / small`` times
+  the learning rate (the linear scaling rule Accordion's large cycles follow).
+  """
+  if family == "batch":
+    method, small, large = FAMILIES[family]
+    return [("static low", f"accordion_batch({method},{small},{small})", 1.0),
+            ("static high", f"accordion_batch({method},{large},{large})", large / small),
+            ("accordion", f"accordion_batch({method},{small},{large})", 1.0)]
   low, high = FAMILIES[family]
-  return [("static low", low), ("static high", high), ("accordion", f"accordion({low},{high})")]
+  return [("static low", low, 1.0), ("static high", high, 1.0),
+          ("accordion", f"accordion({low},{high})", 1.0)]
+
+
+def ledgers_that_recorded(state, counts):
+  """``(ledgers that recorded in the last step, every ledger's update count)``.
+
+  A ledger keeps its last record until it records again, so a step in which
+  a transformation did not communicate (the batch mode's accumulating
+  micro-steps) must not be charged its last record once more.
+  """
+  found = find_comm_stats(state)
+  now = [int(np.max(host_array(s.updates))) for s in found]
+  before = counts or [0] * len(found)
+  return tuple(s for s, u, b in zip(found, now, before) if u > b), now
 
 
 def run_one(config: Config, record_rows: bool = False) -> dict:
@@ -79,22 +105,25 @@ def run_one(config: Config, record_rows: bool = False) -> dict:
   nets = {bw: NetworkModel(bw, config.latency, config.num_sites, config.topology)
           for bw in BANDWIDTHS}
   seconds = dict.fromkeys(BANDWIDTHS, 0.0)
-  wire = 0.0
+  counts = None
   rows = []
   for step in range(config.steps):
     x, y = batcher.batch_at(step)
     state, _ = step_fn(state, {"x": x, "y": y})
-    summary = comm_stats(state)  # this step's bits per kind and calls
-    wire += summary.wire_bits(config.num_sites, config.topology)
-    for bw, net in nets.items():
-      seconds[bw] += net.step_time(summary)
+    sent, counts = ledgers_that_recorded(state, counts)  # the batch mode's cycles skip steps
+    if sent:
+      summary = comm_stats(sent)  # this step's bits per kind and calls
+      for bw, net in nets.items():
+        seconds[bw] += net.step_time(summary)
     if record_rows:
       rows.append({"step": step + 1, **state_rows(state.opt_state, step_fn.params(state))})
   test = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
   # "accuracy" holds the run's metric: test accuracy, or bits per byte for a language model.
   value = workloads.metric_of(test, "bits_per_byte" if np.ndim(dataset.y_test) == 2 else
                               "accuracy")
-  return {"accuracy": value, "bits": comm_stats(state).total, "wire": wire,
+  total = comm_stats(state)
+  wire = total.total_wire_bits(config.num_sites, config.topology)
+  return {"accuracy": value, "bits": total.total, "wire": wire,
           "time": seconds,
           "rows": rows, "wall_s": time.perf_counter() - t0, "spe": batcher.steps_per_epoch}
 
@@ -115,7 +144,7 @@ def format_tables(results: dict, args) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for family in args.families:
       low_wire = np.mean([r["wire"] for r in by_method[(family, "static low")]["runs"]])
-      for label, spec in methods_of(family):
+      for label, spec, _ in methods_of(family):
         entry = by_method[(family, label)]
         runs = entry["runs"]
         bits = np.mean([r["bits"] for r in runs])
@@ -178,9 +207,25 @@ def plot_bits(results: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _examples(wl, examples: int | None, quick: bool) -> dict:
+  """Config overrides that keep the first ``examples`` training rows (a shorter epoch)."""
+  if not examples:
+    return {}
+  kwargs = {**wl.fields.get("dataset_kwargs", {}),
+            **(wl.quick.get("dataset_kwargs", {}) if quick else {})}
+  key = "max_windows" if wl.metric == "bits_per_byte" else "max_examples"
+  return {"dataset_kwargs": {**kwargs, key: examples}}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=220, help="training steps (20 epochs)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="training steps (default 220: 20 epochs of the digits; a "
+                      "workload: 300, 12 epochs of --examples)")
+  parser.add_argument("--examples", type=int, default=None,
+                      help="a workload's training rows (windows of a text), for epochs short "
+                      "enough that the detector checks several times (default 3200: 25 "
+                      "steps per epoch at 8 sites x 16 rows)")
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--partitions", default="iid,dirichlet")
@@ -193,6 +238,10 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
   parser.add_argument("--name", default="accordion", help="output file stem")
   args = parser.parse_args(argv)
+  if args.steps is None:
+    args.steps = 300 if args.workload else 220
+  if args.workload and args.examples is None:
+    args.examples = 3200
   args.seeds = [int(s) for s in args.seeds.split(",")]
   args.models = args.models.split(",")
   args.partitions = args.partitions.split(",")
@@ -222,19 +271,21 @@ def main(argv=None) -> int:
     for part in args.partitions:
       by_method = results.setdefault((model, part), {})
       for family in args.families:
-        for label, spec in methods_of(family):
+        for label, spec, lr_mult in methods_of(family):
           entry = by_method.setdefault((family, label), {"spec": spec, "runs": []})
           for seed in args.seeds:
             if args.workload:
               wl = models[model]
               config = wl.config(args.quick, method=spec, steps=args.steps, lr_schedule=decay,
-                                 seed=seed, **workloads.partition_fields(wl, part))
+                                 seed=seed, **workloads.partition_fields(wl, part),
+                                 **_examples(wl, args.examples, args.quick))
+              config = config.replace(lr=config.lr * lr_mult)
             else:
               config = Config(dataset="digits", model=model, model_kwargs=MODELS[model],
                               method=spec, num_sites=8, backend="vmap", batch_per_site=16,
-                              steps=args.steps, lr=args.lr, momentum=0.9, lr_schedule=decay,
-                              seed=seed, **PARTITIONS[part])
-            record = decisions is None and label == "accordion"
+                              steps=args.steps, lr=args.lr * lr_mult, momentum=0.9,
+                              lr_schedule=decay, seed=seed, **PARTITIONS[part])
+            record = decisions is None and label == "accordion" and family != "batch"
             r = run_one(config, record_rows=record)
             if record:
               decisions = (config, r["rows"])
@@ -253,7 +304,7 @@ def main(argv=None) -> int:
   text = "\n".join([
       f"# Accordion: static low, static high, adaptive ({where}, 8 sites)", "",
       f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on CPU, vmap backend).", "",
-      f"Setting: {args.steps} steps ({args.steps / spe:.0f} epochs of {spe} steps), 16 rows per site "
+      f"Setting: {args.steps} steps ({args.steps / spe:.0f} epochs of {spe} steps), {config.batch_per_site} rows per site "
       f"per step, lr {lr_text}, `lr_schedule={decay}`, seeds "
       f"{args.seeds}. Accordion: window = 1 epoch, a check every window, eta = 0.5; "
       "every tensor critical after each LR decay until the next check. Wire bits: what each "

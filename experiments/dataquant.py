@@ -230,9 +230,12 @@ def main(argv=None) -> int:
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=120)
-  parser.add_argument("--eval-every", type=int, default=10)
-  parser.add_argument("--target", type=float, default=0.92)
+  parser.add_argument("--steps", type=int, default=None,
+                      help="default 120 (a workload: its own, 300)")
+  parser.add_argument("--eval-every", type=int, default=None,
+                      help="default 10 (a workload: its own, 50)")
+  parser.add_argument("--target", type=float, default=None,
+                      help="test accuracy to reach (default 0.92; a workload: its own)")
   parser.add_argument("--widths", default="64,256,1024")
   parser.add_argument("--out", default=str(ROOT / "results"))
   parser.add_argument("--workload", default=None,
@@ -251,6 +254,14 @@ def main(argv=None) -> int:
         parser.error(f"--workload {name}: {wl.available()}")
       PARTITION = workloads.partition_fields(wl, args.partition)
     args.models = args.workload
+    first = workloads.get(args.workload.split(",")[0])
+    args.steps = args.steps or first.config(QUICK).steps
+    args.eval_every = args.eval_every or first.config(QUICK).eval_every
+    if args.target is None:
+      args.target = first.target_for(QUICK)
+  args.steps = args.steps or 120
+  args.eval_every = args.eval_every or 10
+  args.target = 0.92 if args.target is None else args.target
   seeds = [int(s) for s in args.seeds.split(",")]
   widths = [int(w) for w in args.widths.split(",")] if args.widths != "none" else []
   methods = registry.split_specs(args.methods)

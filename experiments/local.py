@@ -26,6 +26,8 @@ Usage (from the repository root)::
 
   .venv/bin/python experiments/local.py            # the default run (about 15 min on 2 cores)
   .venv/bin/python experiments/local.py --quick    # a smoke run (about 1 min)
+  .venv/bin/python experiments/local.py --workload fashion_mlp   # a real workload (its model,
+      # data, optimizer, steps and target; DiLoCo H in 10,50; --partition non_iid)
 
 Writes ``<out>/local.md`` (tables + the exact command) and ``<out>/local.png``.
 """
@@ -50,6 +52,9 @@ from dadjax.config import Config  # pylint: disable=g-import-not-at-top
 from dadjax.train import build, evaluate  # pylint: disable=g-import-not-at-top
 
 ROOT = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 SITES, ROWS = 8, 16
 OUTER = ("fp32", None), ("bf16", "bf16"), ("4-bit QSGD", "qsgd(7)"), ("PowerSGD r2", "powersgd(2)")
 
@@ -81,15 +86,24 @@ def _eval_state(state):
   return state
 
 
+def config_for(args, spec: str, seed: int) -> Config:
+  """The run's Config: the MLP (64, 64) on ``--dataset``, or a ``--workload``'s."""
+  if args.workload:
+    wl = workloads.get(args.workload)
+    return wl.config(args.quick, method=spec, seed=seed, steps=args.steps,
+                     **workloads.partition_fields(wl, args.partition))
+  return Config(dataset=args.dataset, model="mlp", model_kwargs={"hidden": [64, 64]},
+                method=spec, num_sites=SITES, backend="vmap", batch_per_site=ROWS,
+                steps=args.steps, seed=seed, lr=0.1, momentum=0.9)
+
+
 def run_one(args, spec: str, seed: int, network: NetworkModel, steps_cache: dict) -> dict:
-  config = Config(dataset=args.dataset, model="mlp", model_kwargs={"hidden": [64, 64]},
-                  method=spec, num_sites=SITES, backend="vmap", batch_per_site=ROWS,
-                  steps=args.steps, seed=seed, lr=0.1, momentum=0.9)
+  config = config_for(args, spec, seed)
   dataset, _, batcher, step_fn = build(config)
   # One compiled step per method: the seeds change the initialization and the
   # site batches; the method's own key seed (stochastic rounding) stays the first seed's.
   step_fn = steps_cache.setdefault(spec, step_fn)
-  state = step_fn.init(jax.random.key(seed), dataset.x_train[:ROWS])
+  state = step_fn.init(jax.random.key(seed), dataset.x_train[:config.batch_per_site])
   curve = []
   t0 = time.perf_counter()
   for step in range(args.steps):
@@ -97,17 +111,19 @@ def run_one(args, spec: str, seed: int, network: NetworkModel, steps_cache: dict
     state, _ = step_fn(state, {"x": x, "y": y})
     done = step + 1
     if done % args.eval_every == 0 or done == args.steps:
-      acc = evaluate(step_fn, _eval_state(state), dataset.x_test, dataset.y_test)["accuracy"]
+      test = evaluate(step_fn, _eval_state(state), dataset.x_test, dataset.y_test)
+      acc = workloads.metric_of(test, args.metric)
       rep = report(state, network)
       curve.append((done, acc, rep.total_wire_bits, rep.modeled_comm_s))
   rep = report(state, network)
   return {"curve": curve, "report": rep, "wall_s": time.perf_counter() - t0}
 
 
-def to_target(curve, target: float) -> tuple[float, float, float]:
-  """(step, cumulative wire bits per site, modeled comm seconds) when accuracy first >= target."""
+def to_target(curve, target: float, metric: str = "accuracy") -> tuple[float, float, float]:
+  """(step, cumulative wire bits per site, modeled comm seconds) when the metric first reaches
+  ``target`` (accuracy: >=, bits per byte: <=)."""
   for step, acc, bits, secs in curve:
-    if acc >= target:
+    if (acc >= target) if metric == "accuracy" else (acc <= target):
       return step, bits, secs
   return float("nan"), float("nan"), float("nan")
 
@@ -122,14 +138,15 @@ def _mean(values, fmt="{:.3g}") -> str:
 
 
 def table(results, args) -> str:
-  lines = [f"| method | spec | test acc | wire bits/step/site | peak comm s/step | "
+  name = "test acc" if args.metric == "accuracy" else "test bits/byte"
+  lines = [f"| method | spec | {name} | wire bits/step/site | peak comm s/step | "
            f"total wire bits/site | modeled comm s | steps to {args.target} | "
            f"wire bits to {args.target} | modeled s to {args.target} | wall s/run |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for (label, spec), runs in results.items():
     acc = [r["curve"][-1][1] for r in runs]
     reps = [r["report"] for r in runs]
-    reach = [to_target(r["curve"], args.target) for r in runs]
+    reach = [to_target(r["curve"], args.target, args.metric) for r in runs]
     lines.append(
         f"| {label} | `{spec}` | {np.mean(acc):.3f} ± {np.std(acc):.3f} | "
         f"{np.mean([p.wire_bits_per_step for p in reps]):,.0f} | "
@@ -141,7 +158,7 @@ def table(results, args) -> str:
   return "\n".join(lines)
 
 
-def plot(results, path) -> None:
+def plot(results, path, metric: str = "accuracy") -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -153,21 +170,63 @@ def plot(results, path) -> None:
     ax.plot(bits, acc, marker="os^vD"[i % 5], ms=3, color=colors[i % len(colors)], label=label)
   ax.set_xscale("log")
   ax.set_xlabel("cumulative wire bits per site (ring, N=8)")
-  ax.set_ylabel("test accuracy of the synchronized parameters (mean over seeds)")
+  ax.set_ylabel(f"test {metric.replace('_', ' ')} of the synchronized parameters "
+                "(mean over seeds)")
   ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+
+
+def setting(args) -> str:
+  """The data, model, sites and inner optimizer, in words."""
+  if not args.workload:
+    return (f"Data set `{args.dataset}`, MLP (64, 64), {SITES} sites x {ROWS} rows per step, "
+            "iid, local / inner optimizer SGD lr 0.1 momentum 0.9,")
+  wl = workloads.get(args.workload)
+  cfg = wl.config(args.quick, **workloads.partition_fields(wl, args.partition))
+  return (f"Workload `{args.workload}` ({wl.describe(args.quick)}), {cfg.num_sites} sites x "
+          f"{cfg.batch_per_site} rows per step, partition {args.partition}, local / inner "
+          f"optimizer {cfg.optimizer} lr {cfg.lr:g}, target {args.target:g},")
+
+
+def resolve_defaults(args, parser) -> None:
+  """Fills ``--steps``, ``--eval-every``, ``--every``, ``--target`` and the metric."""
+  args.metric = "accuracy"
+  if args.workload:
+    wl = workloads.get(args.workload)
+    if wl.available():
+      parser.error(f"--workload {args.workload}: {wl.available()}")
+    cfg = wl.config(args.quick)
+    args.metric = wl.metric
+    args.steps = args.steps or cfg.steps
+    args.eval_every = args.eval_every or cfg.eval_every
+    args.target = args.target if args.target is not None else wl.target_for(args.quick)
+    args.every = args.every or ("10,50" if not args.quick else "4")
+    return
+  if args.quick:
+    args.steps, args.eval_every, args.seeds, args.every = 20, 10, "0", "4"
+  args.steps = args.steps or 600
+  args.eval_every = args.eval_every or 50
+  args.every = args.every or "10,50,200"
+  args.target = 0.9 if args.target is None else args.target
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="digits",
                       help="a built-in data set (digits; fashion_mnist where its files exist)")
-  parser.add_argument("--steps", type=int, default=600)
-  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--workload", default=None,
+                      help=f"a real workload ({', '.join(workloads.WORKLOADS)}) instead of "
+                      "--dataset: its model, data, sites, optimizer, steps and target")
+  parser.add_argument("--partition", default="iid", help="workload partition: iid or non_iid")
+  parser.add_argument("--steps", type=int, default=None, help="default 600 (a workload's own)")
+  parser.add_argument("--eval-every", type=int, default=None,
+                      help="default 50 (a workload's own)")
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--every", default="10,50,200", help="DiLoCo's H values")
-  parser.add_argument("--target", type=float, default=0.9)
+  parser.add_argument("--every", default=None, help="DiLoCo's H values (default 10,50,200; "
+                      "with a workload 10,50)")
+  parser.add_argument("--target", type=float, default=None,
+                      help="default 0.9 (a workload's own)")
   parser.add_argument("--bandwidth", type=float, default=1e9, help="bits/s between sites")
   parser.add_argument("--latency", type=float, default=1e-3, help="seconds per message")
   parser.add_argument("--methods", default=None,
@@ -176,8 +235,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=str(ROOT / "results"))
   parser.add_argument("--name", default="local", help="stem of the written .md and .png")
   args = parser.parse_args(argv)
-  if args.quick:
-    args.steps, args.eval_every, args.seeds, args.every = 20, 10, "0", "4"
+  resolve_defaults(args, parser)
   seeds = [int(s) for s in args.seeds.split(",")]
   every = [int(h) for h in args.every.split(",")]
   methods = methods_for(every)
@@ -195,7 +253,7 @@ def main(argv=None) -> int:
     cache: dict = {}
     results[(label, spec)] = [run_one(args, spec, seed, network, cache) for seed in seeds]
     acc = np.mean([r["curve"][-1][1] for r in results[(label, spec)]])
-    print(f"{label:48s} acc {acc:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"{label:48s} {args.metric} {acc:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python experiments/local.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -204,9 +262,9 @@ def main(argv=None) -> int:
       "",
       f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on this machine).",
       "",
-      f"Data set `{args.dataset}`, MLP (64, 64), {SITES} sites x {ROWS} rows per step, iid, "
-      f"{args.steps} steps for every method (equal samples), local / inner optimizer SGD "
-      f"lr 0.1 momentum 0.9, seeds {seeds} (each seed: its own initialization and site "
+      setting(args),
+      f"{args.steps} steps for every method (equal samples), seeds {seeds} (each seed: its "
+      f"own initialization and site "
       f"batches; one compiled step per method, so a compressor's key seed is the first "
       f"seed's). Wire bits per site for a ring of N = {SITES} "
       f"(`dadjax.comm.report`); modeled time at {args.bandwidth:g} bit/s and "
@@ -218,7 +276,7 @@ def main(argv=None) -> int:
       "",
   ])
   (out / f"{args.name}.md").write_text(text)
-  plot(results, out / f"{args.name}.png")
+  plot(results, out / f"{args.name}.png", args.metric)
   print(text)
   return 0
 

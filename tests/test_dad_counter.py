@@ -10,6 +10,7 @@ import pytest
 
 import dadjax
 from dadjax import dad
+from dadjax._core.keys import start_key
 
 SITES, AXIS = 4, "data"
 BIG = 2**24 + 1  # float32 cannot hold it (float32(2**24 + 1) == 2**24)
@@ -82,7 +83,7 @@ def _rank_one_grad(config, a, d, step):
   return gk
 
 
-def test_rank_dad_key_is_folded_from_the_int_step():
+def test_rank_dad_start_key_holds_the_int_step():
   rng = np.random.default_rng(1)
   a = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
   d = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
@@ -91,7 +92,7 @@ def test_rank_dad_key_is_folded_from_the_int_step():
   grad = jax.jit(functools.partial(_rank_one_grad, config))
   run = lambda a, d, step: np.asarray(grad(a, d, step))
   for step in (0, 5, BIG):
-    key_local, _ = jax.random.split(jax.random.fold_in(jax.random.key(7), step))
+    key_local = start_key(7, step, "rank_dad/local")
     fac = dad.factorize(a, d, rank=1, iters=1, tol=0.0, key=key_local)
     np.testing.assert_allclose(run(a, d, step), np.asarray(fac.u @ fac.v.T), rtol=1e-5,
                                atol=1e-6)

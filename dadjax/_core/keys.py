@@ -26,7 +26,8 @@ compressors                   shared ``fold(derive_key(key(seed), "shared"), t)`
                               ``derive_key(k, method, "leaf", path)`` (``dadjax.compress``).
 dAD layers                    layer seed :func:`layer_seed` ``(seed, path)``; the step's key
                               :func:`seed_step_key` ``(layer_seed, t)``; rank-dAD splits it and
-                              starts component ``k`` from ``fold(key, k)``; quantized dAD's
+                              starts component ``k`` from :func:`hash_uniform` ``(key, k)`` with ``key =``
+                              :func:`start_key` ``(layer_seed, t, "rank_dad/local" | "/global")``; quantized dAD's
                               rounding keys ``fold(seed_step_key(seed, t), s, 0 | 1)``.
 data quantization             ``fold(stage_key, i)`` for its ``i``-th use (quantize, gate, fit,
                               correction).
@@ -107,3 +108,48 @@ def layer_seed(seed: int, path: Iterable) -> int:
 def seed_step_key(seed: int, step) -> jax.Array:
   """``fold(key(seed), step)`` with the step as int32: a layer's key of one step."""
   return jax.random.fold_in(jax.random.key(seed), jnp.asarray(step, jnp.int32))
+
+
+def start_key(seed: int, step, purpose: str) -> jax.Array:
+  """A threefry key whose raw words are ``(seed xor tag(purpose), step)``, unhashed.
+
+  Only for :func:`hash_uniform` (which mixes the words itself): it costs no
+  threefry call, where :func:`seed_step_key` costs one per layer and step.
+  """
+  words = jnp.stack([jnp.uint32((seed ^ tag(purpose)) & 0xFFFFFFFF),
+                     jnp.asarray(step).astype(jnp.uint32)])
+  return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
+def hash_uniform(key: jax.Array, counter, n: int, dtype=jnp.float32) -> jax.Array:
+  """``n`` numbers in (-1, 1) from ``(key, counter)`` by an integer hash (murmur3's mix).
+
+  For power-iteration start vectors, which need only be generic (not
+  orthogonal to the subspace sought) and equal wherever ``key`` is: a few
+  elementwise integer ops, where ``jax.random.normal`` compiles threefry's
+  rounds and an inverse error function into every layer that draws (on a
+  small ViT that draw was 40% of rank-dAD's extra compile time). Not for
+  anything whose statistics matter (rounding noise, dropout, sampling).
+
+  Args:
+    key: a typed PRNG key (its raw words seed the hash).
+    counter: int or int32 scalar (a component index), traced or not.
+    n: entries (static).
+    dtype: a float dtype.
+
+  Returns:
+    (n,) array, entries ``(2 h + 1) / 2^24 - 1`` for 23-bit hashes ``h``.
+  """
+  seed = jnp.uint32(0x9E3779B9)
+  for word in jax.random.key_data(key).reshape(-1):  # 2 words for threefry keys
+    seed = _mix32(seed ^ word.astype(jnp.uint32))
+  seed = _mix32(seed ^ (jnp.asarray(counter).astype(jnp.uint32) * jnp.uint32(0x85EBCA6B)))
+  h = _mix32(jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + seed)
+  return ((h >> 9).astype(dtype) * 2 + 1) * (2.0 ** -23) - 1
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finalizer (a bijection of uint32 with full avalanche)."""
+  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)

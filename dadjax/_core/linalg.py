@@ -41,9 +41,9 @@ def pow2_unit(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   is 0 for a zero or non-finite ``x``. Undo with :func:`pow2_scale`.
   """
   top = jnp.max(jnp.abs(x))
-  _, e = jnp.frexp(top)  # top = m 2^e, 0.5 <= m < 1
+  e = _frexp_exponent(top)  # top = m 2^e, 0.5 <= m < 1
   e = jnp.where((top > 0) & jnp.isfinite(top), jnp.clip(e, -125, 126), 0).astype(jnp.int32)
-  return x * jnp.ldexp(jnp.ones((), x.dtype), -e), e
+  return x * _pow2(-e, x.dtype), e
 
 
 def pow2_scale(x: jax.Array, e: jax.Array) -> jax.Array:
@@ -51,8 +51,23 @@ def pow2_scale(x: jax.Array, e: jax.Array) -> jax.Array:
   float32; the intermediate lies between ``x`` and the result, so only a result out of
   range overflows or underflows)."""
   half = e // 2
-  one = jnp.ones((), x.dtype)
-  return x * jnp.ldexp(one, half) * jnp.ldexp(one, e - half)
+  return x * _pow2(half, x.dtype) * _pow2(e - half, x.dtype)
+
+
+def _frexp_exponent(top: jax.Array) -> jax.Array:
+  """``frexp(top)``'s exponent; for float32 read from the bits (a subnormal or 0 gives -126,
+  which :func:`pow2_unit` clips or discards as it does frexp's). ``jnp.frexp`` and
+  ``jnp.ldexp`` expand to many ops per call, and rank-dAD calls these in every layer."""
+  if top.dtype == jnp.float32:
+    return (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) - 126
+  return jnp.frexp(top)[1]
+
+
+def _pow2(e: jax.Array, dtype) -> jax.Array:
+  """``2^e`` exactly, for an int32 ``e`` in ``[-126, 127]`` (a normal float32)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+  return jnp.ldexp(jnp.ones((), dtype), e)
 
 
 def tree_safe_norm(tree) -> jax.Array:

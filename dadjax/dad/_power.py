@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dadjax._core.vma import vary_like
+from dadjax._core.keys import hash_uniform
 from dadjax._core.linalg import pow2_scale, pow2_unit, project_out, safe_norm
 
 
@@ -110,7 +111,7 @@ def factorize(
   Long because of its docstring (the structured power iteration's contract); the code is one loop.
 
   Component k starts from ``init[:, k]`` (a warm start) when that column is
-  non-zero, else from a normal vector drawn from ``fold_in(key, k)``; the
+  non-zero, else from :func:`~dadjax._core.keys.hash_uniform` ``(key, k)``; the
   start is orthogonalized against the components already found and then
   iterated with ``b <- normalize(deflate(G^T G b))`` until the change
   ``||b_new - b||`` drops below ``tol`` or ``iters`` steps ran. Then
@@ -177,7 +178,7 @@ def factorize(
     # independent of the rank.
     basis, us, sigmas, used, alive, sigma0 = carry
     alive = alive & (k < cap)
-    start = jax.random.normal(jax.random.fold_in(key, k), (d_out,), dtype)
+    start = hash_uniform(key, k, d_out, dtype)
     b0, _ = project_out(start, basis, resolution)
     if init is not None:
       warm = jax.lax.dynamic_index_in_dim(init, k, axis=1, keepdims=False).astype(dtype)

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._core.critical import is_critical, lr_decreased
-from dadjax._core.keys import seed_step_key
+from dadjax._core.keys import start_key
 from dadjax._core.linalg import pow2_scale, pow2_unit, safe_norm
 from dadjax._core.vma import cond
 from dadjax.comm import Bits, Traffic, bits_add, bits_const, bits_from_count, metered_all_gather
@@ -183,8 +183,8 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
   dot = functools.partial(jnp.dot, precision=config.precision)
   high = high_rank_now(config, cur)
   step = jnp.asarray(cur["step"]).astype(jnp.int32)
-  # The same key as static rank-dAD: component k starts from fold_in(key, k).
-  key_local, _ = jax.random.split(seed_step_key(config.seed, step))
+  # The same starts as static rank-dAD's one-way factorization.
+  key_local = start_key(config.seed, step, "rank_dad/local")
   memory = cur.get("memory")
   fac = factorize(a, d, rank=r_high, iters=config.iters, tol=config.tol, key=key_local,
                   init=cur.get("basis"), memory=memory, precision=config.precision)

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.keys import seed_step_key
+from dadjax._core.keys import start_key
 from dadjax._core.vma import is_varying, to_varying, vma
 from dadjax.comm import (NO_TRAFFIC, Traffic, metered_all_gather, metered_pmean, metered_psum,
                          site_index, traffic_add)
@@ -157,7 +157,8 @@ def _rank_dad(config, a, d, cur, invariant, scale, has_bias):
   d_in, d_out = a.shape[1], d.shape[1]
   dot = functools.partial(jnp.dot, precision=config.precision)
   step = jnp.zeros((), jnp.int32) if cur is None else cur["step"]
-  key_local, key_global = jax.random.split(seed_step_key(config.seed, step))
+  key_local = start_key(config.seed, step, "rank_dad/local")
+  key_global = start_key(config.seed, step, "rank_dad/global")
   memory = cur.get("memory") if cur is not None else None
   fac = factorize(a, d, rank=r, iters=config.iters, tol=config.tol, key=key_local,
                   init=cur.get("basis") if cur is not None else None,
