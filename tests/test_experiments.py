@@ -116,6 +116,30 @@ def test_accordion_workload_quick(tmp_path):
 
 
 @pytest.mark.slow
+@_needs("fashion_cnn")
+def test_accordion_batch_family_charges_only_the_cycles_that_communicate(tmp_path):
+  _run(["experiments/accordion.py", "--workload", "fashion_cnn", "--quick", "--steps", "16",
+        "--examples", "256", "--seeds", "0", "--partitions", "iid", "--families", "batch",
+        "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "accordion.md").read_text()
+  rows = {m.group(1): float(m.group(2)) for m in re.finditer(
+      r"\| batch \| (static low|static high|accordion) \| `[^`]+` \| [^|]+ \| ([\d.]+) \|", text)}
+  assert set(rows) == {"static low", "static high", "accordion"}, text
+  # 16 micro-steps: 16 all-reduces of the small batch, 2 of the large one (each cycle of 8
+  # accumulates locally); a step that only accumulates must not be charged its last record.
+  assert rows["static high"] < rows["static low"] / 6, rows
+
+
+@pytest.mark.slow
+@_needs("fashion_mlp")
+def test_local_workload_quick(tmp_path):
+  _run(["experiments/local.py", "--workload", "fashion_mlp", "--quick", "--seeds", "0",
+        "--methods", "allreduce;diloco:4", "--out", str(tmp_path)], tmp_path)
+  text = (tmp_path / "local.md").read_text()
+  assert "Workload `fashion_mlp`" in text and "| `diloco:4` |" in text
+
+
+@pytest.mark.slow
 @_needs("fashion_mlp")
 def test_dataquant_workload_quick(tmp_path):
   _run(["experiments/dataquant.py", "--workload", "fashion_mlp", "--quick", "--steps", "4",
