@@ -18,6 +18,16 @@ Usage (from the repository root)::
   .venv/bin/python experiments/accordion.py --steps 20 --seeds 0 --models mlp \\
       --partitions iid --families powersgd --out /tmp/acc  # a smoke run
 
+On a real workload (``--workload fashion_cnn``, ``text_lstm``, ...) the first
+``--examples`` training rows (default 3,200: 25 steps per epoch at 8 sites x
+16 rows) make epochs short enough for the detector to check every 25 steps;
+the default is 300 steps (12 epochs). ``--families batch`` is the batch-size
+mode (1 micro-batch per update when critical, 8 otherwise; the static large
+batch steps with 8x the learning rate, the linear scaling rule)::
+
+  .venv/bin/python experiments/accordion.py --workload fashion_cnn --partitions iid \
+      --families powersgd21,batch --name accordion_fashion_cnn   # ~45 min, 2 cores
+
 Writes ``<out>/accordion.md`` (tables and the command),
 ``<out>/accordion_bits.png`` (accuracy against bits) and
 ``<out>/accordion_decisions.png`` (the decisions heat map of one run).
