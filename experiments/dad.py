@@ -449,9 +449,9 @@ def rank_dad_verdict(task: Task, summary: dict) -> str:
   for m, v in others:
     if rv["bits_to"] is not None and v["bits_to"] is not None:
       ratio = v["bits_to"] / max(rv["bits_to"], 1.0)
+      factor, word = (ratio, "more") if ratio >= 1 else (1 / max(ratio, 1e-30), "fewer")
       parts.append(f"`{rd}` reached the target with {rv['bits_to']:.3g} wire bits/site, `{m}` "
-                   f"with {v['bits_to']:.3g} ({ratio:.2f}x {'more' if ratio > 1 else 'fewer'} "
-                   f"for `{m}`)")
+                   f"with {v['bits_to']:.3g} ({factor:.2f}x {word} for `{m}`)")
     else:
       parts.append(f"final test {task.metric}: `{rd}` {rv['metric']:.3f} at {rv['wire']:,.0f} "
                    f"wire bits/step, `{m}` {v['metric']:.3f} at {v['wire']:,.0f} (not every "
