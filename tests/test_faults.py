@@ -794,6 +794,17 @@ def test_read_only_checkpoint_dir_ends_the_process_with_one_line(tmp_path):
   assert "Traceback" not in err and _steps(ckpt) == [2]
 
 
+def _remove_tree(path):
+  """``rm -rf path`` as a user would, while the run's asynchronous checkpoint writer may still
+  rename or add files inside it (``shutil.rmtree`` alone raises when an entry it listed
+  vanishes)."""
+  for _ in range(100):
+    shutil.rmtree(path, ignore_errors=True)
+    if not path.exists():
+      return
+    time.sleep(0.02)
+
+
 def _break_at(step, action):
   def log(row):
     if row["step"] == step:
@@ -806,8 +817,8 @@ def _break_at(step, action):
                                          "run wrote to it"),
     (lambda d: (os.remove(d / "out" / "metrics.jsonl"), (d / "out" / "metrics.jsonl").mkdir()),
      "'{d}/out/metrics.jsonl' was deleted or replaced while the run wrote to it"),
-    (lambda d: shutil.rmtree(d / "ckpt"), "the lock '{d}/ckpt/dadjax.lock' of this run was "
-                                          "deleted or replaced"),
+    (lambda d: _remove_tree(d / "ckpt"), "the lock '{d}/ckpt/dadjax.lock' of this run was "
+                                         "deleted or replaced"),
     (lambda d: os.remove(d / "ckpt" / "dadjax.lock"), "the lock '{d}/ckpt/dadjax.lock' of this "
                                                       "run was deleted or replaced"),
 ], ids=["out_dir_deleted", "metrics_replaced_by_a_dir", "checkpoint_dir_deleted",
