@@ -255,8 +255,9 @@ def main(argv=None) -> int:
       PARTITION = workloads.partition_fields(wl, args.partition)
     args.models = args.workload
     first = workloads.get(args.workload.split(",")[0])
-    args.steps = args.steps or first.config(QUICK).steps
-    args.eval_every = args.eval_every or first.config(QUICK).eval_every
+    first_config = first.config(QUICK)
+    args.steps = args.steps or first_config.steps
+    args.eval_every = args.eval_every or first_config.eval_every
     if args.target is None:
       args.target = first.target_for(QUICK)
   args.steps = args.steps or 120
