@@ -93,11 +93,14 @@ def _params():
 
 
 def _mixed_params():
-  """Leaves of every kind the one-buffer form must cut right: bf16, scalar, one entry, empty."""
-  k = jax.random.split(jax.random.key(2), 3)
+  """Leaves of every kind the one-buffer and the same-shape forms must cut right: bf16, scalar,
+  one entry, empty, and repeated shapes (a group of three, of two, and bf16 beside fp32)."""
+  k = jax.random.split(jax.random.key(2), 7)
   return {**_params(), "h": jax.random.normal(k[0], (7, 5)).astype(jnp.bfloat16),
           "s": jax.random.normal(k[1], ()), "one": jax.random.normal(k[2], (1,)),
-          "e": jnp.zeros((0, 3))}
+          "e": jnp.zeros((0, 3)), "w2": jax.random.normal(k[3], (10, 16)),
+          "w3": 1e-3 * jax.random.normal(k[4], (10, 16)), "b2": jax.random.normal(k[5], (16,)),
+          "h32": jax.random.normal(k[6], (7, 5)), "e2": jnp.zeros((0, 3))}
 
 
 @pytest.mark.parametrize("spec, kind", [
@@ -290,10 +293,11 @@ def test_resnet18_collectives_are_bucketed(spec, kind, most):
                           "bf16")),
     ("qsgd:16", False), ("terngrad", False)])  # all fp32: the sites' mean in one op
 def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, monkeypatch):
-  # Bucketed collectives and the quantizers' one-buffer form (noise, rounding and packing of all
-  # leaves at once) against one collective per leaf and the per-leaf form: bit-identical.
+  # Bucketed collectives, the quantizers' one-buffer form (noise, rounding and packing of all
+  # leaves at once) and same-shape leaves as one vmap, against one collective per leaf and the
+  # per-leaf loop: bit-identical.
   from dadjax.comm import _metered  # pylint: disable=g-import-not-at-top
-  from dadjax.compress import _segments  # pylint: disable=g-import-not-at-top
+  from dadjax.compress import _base, _segments  # pylint: disable=g-import-not-at-top
 
   def run():
     tx = optax.chain(C.compressed(C.get_compressor(spec), axis_name="data"), optax.sgd(0.05))
@@ -313,10 +317,13 @@ def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, mo
 
   monkeypatch.setattr(_segments, "FUSED", True)  # opt-in: faster to compile, slower to run
   bucketed = run()
-  monkeypatch.setattr(_metered, "BUCKET", False)
   monkeypatch.setattr(_segments, "FUSED", False)
+  grouped = run()  # the same-shape vmap (the default form)
+  monkeypatch.setattr(_metered, "BUCKET", False)
+  monkeypatch.setattr(_base, "GROUP_SAME_SHAPES", False)
   plain = run()
-  for a, b in zip(jax.tree.leaves(bucketed), jax.tree.leaves(plain)):
+  for a, b in [*zip(jax.tree.leaves(bucketed), jax.tree.leaves(plain)),
+               *zip(jax.tree.leaves(grouped), jax.tree.leaves(plain))]:
     if "scaled_sign" in spec:
       # Its scale is a mean |g| per leaf; in the one-buffer form XLA reduces it within a segment
       # of the buffer, whose summation order can differ by the compiler's options (1 ulp seen).

@@ -540,7 +540,9 @@ def _config_of(args) -> Config:
   return load_config(None, [a for a in RUN_ARGS + args if "=" in a])
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM,
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_signal_between_checkpoints_saves_that_step_and_resumes_identically(tmp_path, capsys,
                                                                                signum):
   ckpt, out = tmp_path / "ckpt", tmp_path / "out"
@@ -890,6 +892,7 @@ def _wait_for_row(proc, step):
   pytest.fail(f"the worker ended before step {step}")
 
 
+@pytest.mark.slow  # 45 s; the one-process signal tests and the lost-process test stay default
 @pytest.mark.multihost
 def test_two_processes_sigterm_to_one_both_save_the_same_step_and_resume(tmp_path):
   ckpt = tmp_path / "ckpt"
@@ -960,6 +963,7 @@ def test_an_error_in_one_process_ends_the_other_promptly_with_that_error(tmp_pat
   assert took < 15, took  # one look at the peers (3 s), not peer_timeout_s (30 s)
 
 
+@pytest.mark.slow  # 35 s; the one-process missing-part tests stay default
 @pytest.mark.multihost
 def test_two_processes_agree_when_one_part_of_the_newest_checkpoint_is_missing(tmp_path):
   ckpt = tmp_path / "ckpt"

@@ -123,7 +123,8 @@ SMALL = dict(steps=6, eval_every=3, batch_per_site=8, num_sites=4, backend="vmap
              model_kwargs={"hidden": [16]})
 
 
-@pytest.mark.parametrize("method", ["diloco:4:compress=ef(qsgd(4))",
+@pytest.mark.parametrize("method", [pytest.param("diloco:4:compress=ef(qsgd(4))",
+                                                 marks=pytest.mark.slow),
                                     "streaming_diloco:4:fragments=2:delay=1"])
 def test_resume_in_the_middle_of_an_inner_phase_is_bit_identical(tmp_path, method):
   config = Config(**SMALL, method=method)

@@ -88,6 +88,7 @@ def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path, 
     assert int(got["intra_bits"]) == dadjax.comm_stats(sharded).intra_bits_per_step > 0
 
 
+@pytest.mark.slow  # 35 s; test_faults' lost-process and one-process resume tests stay default
 @pytest.mark.multihost
 def test_two_processes_checkpoint_and_resume_like_one_uninterrupted_run(tmp_path):
   from dadjax.config import Config

@@ -98,6 +98,7 @@ def _system_names():
   return ns, " ".join(link["ifname"] for link in links), qdiscs
 
 
+@pytest.mark.slow  # 40 s: two processes behind shaped veths; the namespace tests stay default
 @pytest.mark.multihost
 def test_two_sites_behind_a_shaped_link_train_like_the_unshaped_run():
   reason = _lab_reason()

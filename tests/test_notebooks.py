@@ -7,9 +7,14 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+# The default suite executes the quickstart; the others (15-35 s each) run with -m slow. Every
+# committed notebook's outputs are checked by default (test_committed_notebook_shows_its_outputs).
+_EXECUTED_BY_DEFAULT = ("01_quickstart.ipynb",)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p if p.name in _EXECUTED_BY_DEFAULT else
+                                  pytest.param(p, marks=pytest.mark.slow) for p in NOTEBOOKS],
+                         ids=lambda p: p.name)
 def test_notebook_executes(path, monkeypatch):
   monkeypatch.setenv("DADJAX_NOTEBOOK_STEPS", "20")
   monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -35,13 +35,17 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.keys import derive_key
-from dadjax._core.shards import current_leaf
+from dadjax._core.keys import derive_key, derive_keys
+from dadjax._core.shards import current_leaf, shard_axes
 from dadjax._tree_utils import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
 from dadjax.comm import (Bits, Traffic, axis_size, metered_all_gather, metered_psum,  # noqa: F401
                          site_index)
 
 COMMUNICATIONS = ("reduce", "gather")
+
+# Whether leafwise compressors run each group of same-shape leaves as one vmap (read at trace
+# time; the per-leaf loop is the reference the tests compare against).
+GROUP_SAME_SHAPES = True
 
 
 class Keys(NamedTuple):
@@ -235,9 +239,16 @@ def leafwise(
 ) -> Compressor:
   """A stateless compressor applied to each leaf separately.
 
-  The Python loop over leaves runs at trace time; each leaf gets
-  :func:`leaf_keys` ``(key, path, name)`` with its key path, so ``decompress``
-  and ``aggregate`` need a ``like`` with the gradients' structure. The
+  Each leaf gets :func:`leaf_keys` ``(key, path, name)`` with its key path,
+  so ``decompress`` and ``aggregate`` need a ``like`` with the gradients'
+  structure. Leaves of one shape and dtype (a transformer's blocks repeat a
+  handful of shapes over a hundred leaves) run as one ``jax.vmap`` of the
+  leaf function over the stacked group, so the program holds one kernel per
+  shape rather than per leaf (:func:`same_shape_groups`); each leaf still
+  gets its own keys and its own statistics, so the results are the per-leaf
+  loop's (bit for bit on XLA:CPU, tests/test_compress_hlo.py). With
+  parameters sharded within a site the leaves run one at a time (their
+  whole-tensor statistics depend on each leaf's slicing). The
   payload is a tuple with one entry per leaf, and its size is its storage
   size (:func:`tree_nbits`). Empty leaves (a 0 in the shape) send nothing
   (an empty entry ``()``) and decompress to an empty array, so the leaf
@@ -268,11 +279,19 @@ def leafwise(
     key = as_keys(key)
     check_float_leaves(grads, what)
     leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-    payload = []
-    for p, x in leaves:
-      with current_leaf(leaf_path(p)):  # whole-tensor statistics of a sharded leaf (dadjax._core.shards)
-        payload.append(() if math.prod(jnp.shape(x)) == 0
-                       else compress_leaf(x, leaf_keys(key, leaf_path(p), name)))
+    paths = [leaf_path(p) for p, _ in leaves]
+    xs = [x for _, x in leaves]
+    payload = [()] * len(xs)
+    if shard_axes() is not None or not GROUP_SAME_SHAPES:  # sharded: each leaf's own slicing
+      for i, x in enumerate(xs):
+        with current_leaf(paths[i]):
+          payload[i] = () if _empty(x) else compress_leaf(x, leaf_keys(key, paths[i], name))
+      return tuple(payload), state
+    for group in same_shape_groups(xs):
+      outs = _vmapped(compress_leaf, [xs[i] for i in group],
+                      group_keys(key, [paths[i] for i in group], name))
+      for i, out in zip(group, outs):
+        payload[i] = out
     return tuple(payload), state
 
   def mean_leaf(gathered, like, key):
@@ -280,14 +299,20 @@ def leafwise(
     return jnp.mean(per_site.astype(jnp.float32), axis=0).astype(like.dtype)
 
   def over_leaves(leaf_fn):
-    """Lift ``leaf_fn(payload_i, like_i, keys_i)`` to the whole payload tuple."""
+    """Lift ``leaf_fn(payload_i, like_i, keys_i)`` to the whole payload tuple, a group of
+    same-shape leaves at a time."""
 
     def apply(payload, like, key):
       key = as_keys(key)
       like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-      out = [jnp.zeros(l.shape, l.dtype) if math.prod(l.shape) == 0
-             else leaf_fn(p, l, leaf_keys(key, leaf_path(path), name))
-             for p, (path, l) in zip(payload, like_leaves)]
+      likes = [l for _, l in like_leaves]
+      out = [jnp.zeros(l.shape, l.dtype) for l in likes]
+      for group in same_shape_groups(likes):
+        like0 = likes[group[0]]
+        keys = group_keys(key, [leaf_path(like_leaves[i][0]) for i in group], name)
+        results = _vmapped(lambda p, k: leaf_fn(p, like0, k), [payload[i] for i in group], keys)
+        for i, r in zip(group, results):
+          out[i] = r
       return jax.tree.unflatten(treedef, out)
 
     return apply
@@ -295,6 +320,36 @@ def leafwise(
   aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
   return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
                     aggregate, name=name, shardable=shardable)
+
+
+def _empty(x) -> bool:
+  return math.prod(jnp.shape(x)) == 0
+
+
+def same_shape_groups(leaves: list) -> list[list[int]]:
+  """Positions of the non-empty ``leaves`` grouped by (shape, dtype), in first-seen order
+  (each leaf alone when :data:`GROUP_SAME_SHAPES` is off)."""
+  groups: dict[tuple, list[int]] = {}
+  for i, x in enumerate(leaves):
+    if not _empty(x):
+      shape_key = (tuple(jnp.shape(x)), jnp.dtype(x.dtype)) if GROUP_SAME_SHAPES else i
+      groups.setdefault(shape_key, []).append(i)
+  return list(groups.values())
+
+
+def group_keys(key: Keys, paths: list[str], method: str) -> Keys:
+  """:func:`leaf_keys` of each path, stacked (leading axis: the group), bit for bit."""
+  parts = [(method, "leaf", p) for p in paths]
+  return Keys(derive_keys(key.shared, parts), derive_keys(key.site, parts))
+
+
+def _vmapped(leaf_fn: Callable, args: list, keys: Keys) -> list:
+  """``[leaf_fn(a, keys[i]) for i, a in enumerate(args)]``; one ``vmap`` when there are several."""
+  if len(args) == 1:
+    return [leaf_fn(args[0], jax.tree.map(lambda k: k[0], keys))]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *args)
+  out = jax.vmap(leaf_fn)(stacked, keys)
+  return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(len(args))]
 
 
 def num_kept(size: int, ratio: float) -> int:
