@@ -80,6 +80,9 @@ def parse_args(argv=None):
                  help="small models, batch 4, 3 pairs: a smoke run of every column")
   p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
   p.add_argument("--ablate", action="store_true", help="also time the compressor kernels")
+  p.add_argument("--per-leaf", action="store_true",
+                 help="leafwise compressors one leaf at a time (the reference form), not one "
+                      "vmap per group of same-shape leaves")
   p.add_argument("--out", default=None, help="results file (default experiments/results/"
                  "bench_scale.md, or device/bench_scale.md with --device gpu)")
   args = p.parse_args(argv)
@@ -335,7 +338,9 @@ def main(argv=None):
                                f" --xla_force_host_platform_device_count={args.sites}")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax  # pylint: disable=g-import-not-at-top  (after XLA_FLAGS)
+  from dadjax.compress import _base  # pylint: disable=g-import-not-at-top
 
+  _base.GROUP_SAME_SHAPES = not args.per_leaf
   command = "python " + " ".join(["experiments/bench_scale.py"] + list(
       sys.argv[1:] if argv is None else argv))
   dev = jax.devices()[0]

@@ -87,7 +87,8 @@ def topk(ratio: float = 0.01, approx: bool = False) -> Compressor:
     total = _scatter(gathered.values.reshape(-1), gathered.indices.reshape(-1), like, jnp.float32)
     return (total / n).astype(like.dtype)  # the mean in fp32: fp16 sums of sites may overflow
 
-  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="topk")
+  return leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="topk",
+                  group_same_shapes=False)  # batched top-k / gather / scatter are slow on CPU
 
 
 def _shared_indices(key, size: int, k: int) -> jax.Array:
@@ -143,4 +144,5 @@ def randomk(ratio: float = 0.01) -> Compressor:
     idx = _shared_indices(key.shared, size, k)
     return _scatter(values.astype(jnp.float32) * (size / k), idx, like)
 
-  return leafwise(compress_leaf, decompress_leaf, "reduce", name="randomk")
+  return leafwise(compress_leaf, decompress_leaf, "reduce", name="randomk",
+                  group_same_shapes=False)  # batched gather / scatter are slow on CPU
