@@ -344,3 +344,29 @@ def test_powersgd_one_batched_orthogonalization_equals_per_group():
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
   assert not np.any(np.asarray(_orthogonalize_all(mats)[1][..., 3]))
+
+
+@pytest.mark.parametrize("spec, grouped", [("qsgd:4", True), ("terngrad", True),
+                                           ("sign", True), ("topk:0.1", False)])
+def test_same_shape_leaves_compile_to_one_kernel_per_shape(spec, grouped, monkeypatch):
+  # Grouped, a leaf more of a shape that is already there adds only its stacking and slicing
+  # to the program, not another copy of the compressor; TopK stays per leaf (its batched
+  # gathers are slow on CPU).
+  from dadjax.compress import _base  # pylint: disable=g-import-not-at-top
+  compressor = C.get_compressor(spec)
+  keys = C.Keys(jax.random.key(0), jax.random.key(1))
+
+  def program_size(leaves):
+    grads = {f"w{i}": jnp.full((24, 16), 0.1 * i) for i in range(leaves)}
+    grads |= {f"b{i}": jnp.full((16,), 0.2 * i) for i in range(leaves)}
+    compress = lambda g: compressor.compress(g, compressor.init(g), keys)[0]
+    return jax.jit(compress).lower(grads).as_text().count("\n")
+
+  monkeypatch.setattr(_base, "GROUP_SAME_SHAPES", True)
+  by_group = program_size(8) - program_size(4)
+  monkeypatch.setattr(_base, "GROUP_SAME_SHAPES", False)
+  by_leaf = program_size(8) - program_size(4)
+  if grouped:
+    assert by_group < by_leaf / 3, (by_group, by_leaf)
+  else:
+    assert by_group == by_leaf
