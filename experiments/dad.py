@@ -480,12 +480,12 @@ def run_workloads(args, methods, out: pathlib.Path) -> list[str]:
         rows = run_task(task, None, ops_cache=ops_cache)
         for r in rows:
           by_method.setdefault(r["method"], []).append(r)
-        if seed == seeds[0]:
-          plot(task, rows, out / f"dad_{task.name}.png")
+        if seed == seeds[0]:  # named after the output file too: runs of one task do not clash
+          plot(task, rows, out / f"{args.name}_{task.name}.png")
       table, summary = workload_table(task, by_method, seeds)
       print(table, flush=True)
       sections.append(f"{table}\n\n{rank_dad_verdict(task, summary)}\n\n"
-                      f"![{task.name}](dad_{task.name}.png)\n")
+                      f"![{task.name}]({args.name}_{task.name}.png)\n")
   return sections
 
 
