@@ -272,7 +272,7 @@ def leafwise(
     group_same_shapes: run same-shape leaves as one ``vmap`` (default). A
       compressor whose leaf function gathers or scatters at data-dependent
       indices passes ``False``: batched, XLA:CPU's top-k, gather and scatter
-      ran TopK 7.8x the fp32 step on the ViT, against 1.35x one leaf at a time
+      ran TopK 7.8x the fp32 step on the ViT, against 1.2x one leaf at a time
       (``experiments/results/bench_scale.md``).
 
   Returns:
