@@ -252,9 +252,10 @@ def leafwise(
   shape rather than per leaf (:func:`same_shape_groups`); each leaf still
   gets its own keys and its own statistics, so the results are the per-leaf
   loop's (bit for bit on XLA:CPU, tests/test_compress_hlo.py). Leaves of
-  more than :data:`GROUP_MAX_ENTRIES` (2^20) entries, and all leaves when
-  parameters are sharded within a site (their whole-tensor statistics depend
-  on each leaf's slicing), run one at a time. The
+  more than :data:`GROUP_MAX_ENTRIES` (2^20) entries run one at a time, and
+  so does ``compress`` of every leaf when parameters are sharded within a
+  site (its whole-tensor statistics depend on each leaf's slicing; decoding
+  needs none). The
   payload is a tuple with one entry per leaf, and its size is its storage
   size (:func:`tree_nbits`). Empty leaves (a 0 in the shape) send nothing
   (an empty entry ``()``) and decompress to an empty array, so the leaf
@@ -317,7 +318,7 @@ def leafwise(
       key = as_keys(key)
       like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
       likes = [l for _, l in like_leaves]
-      out = [jnp.zeros(l.shape, l.dtype) for l in likes]
+      out = [jnp.zeros(l.shape, l.dtype) if _empty(l) else None for l in likes]
       for group in same_shape_groups(likes, group_same_shapes):
         like0 = likes[group[0]]
         keys = group_keys(key, [leaf_path(like_leaves[i][0]) for i in group], name)
