@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from dadjax._core.validate import check_int
+from dadjax.dad._power import POWER_METHODS
 
 MODES = ("exact", "rank", "auto", "local")
 AGGREGATIONS = ("one_way", "two_way")
@@ -46,6 +47,9 @@ class DadConfig:
     accordion_eta: critical threshold on the relative change (> 0). Default 0.5.
     lr_schedule: the optimizer's schedule (step -> lr); a decrease makes the
       layer critical until the next check. Default ``None``.
+    power: ``mode="rank"``: the power iteration, ``"deflated"`` (one component
+      at a time) or ``"block"`` (all ``rank`` at once, subspace iteration);
+      see :func:`~dadjax.extend.factorize`. Default ``"deflated"``.
     quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
       rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
       unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
@@ -67,6 +71,7 @@ class DadConfig:
   accordion_eta: float = 0.5
   lr_schedule: Any = None
   quantize_bits: int | None = None
+  power: str = "deflated"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -84,6 +89,8 @@ class DadConfig:
       if getattr(self, flag) and self.mode != "rank":
         raise ValueError(f"{flag} applies to mode='rank' only, got mode={self.mode!r}")
     check_int("seed", self.seed, 0)
+    if self.power not in POWER_METHODS:
+      raise ValueError(f"power must be one of {POWER_METHODS}, got {self.power!r}")
     if self.rank_low is not None:
       if self.mode != "rank" or self.aggregation != "one_way":
         raise ValueError("rank_low applies to mode='rank' with aggregation='one_way', got "

@@ -313,7 +313,7 @@ class DotGeneral(nn.Module):
   Attributes:
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
     error_feedback, seed, rank_low, accordion_window, accordion_interval,
-    accordion_eta, lr_schedule, quantize_bits: see
+    accordion_eta, lr_schedule, quantize_bits, power: see
       :class:`~dadjax.dad.DadConfig` (same defaults). The seed is combined
       with the module's path.
 
@@ -337,6 +337,7 @@ class DotGeneral(nn.Module):
   accordion_eta: float = 0.5
   lr_schedule: Any = None
   quantize_bits: int | None = None
+  power: str = "deflated"
 
   def __post_init__(self):
     self.config()  # fail at construction, naming the bad argument

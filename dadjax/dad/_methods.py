@@ -196,6 +196,11 @@ def _method(ctx: BuildContext, other, **options) -> Method:
   return Method(tx=synchronize(dense.mask, other, axis_name=ctx.axis_name), dense=dense)
 
 
+def _power(block: bool) -> dict:
+  """The ``:block`` flag as layer options (none for the default iteration)."""
+  return {"power": "block"} if block else {}
+
+
 @register_method("dad")
 def _exact(ctx: BuildContext, *, other=None) -> Method:
   """Exact dAD: every dense layer all-gathers its inputs A and deltas D."""
@@ -229,6 +234,7 @@ def _quantized(ctx: BuildContext, bits: int = 4, *, other=None) -> Method:
     Arg("two_way", bool, doc="two-way aggregation (global rank-r result) instead of one-way"),
     Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
     Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
+    Arg("block", bool, doc="block power iteration: all components at once (faster)"),
     Arg("iters", int, within="[1, inf)", positional=False, doc="power iterations per component"),
     Arg("tol", float, within="[0, inf)", positional=False, doc="power-iteration tolerance"),
 )
@@ -238,6 +244,7 @@ def _rank(
     two_way: bool = False,
     warm: bool = False,
     ef: bool = False,
+    block: bool = False,
     iters: int = DadConfig.iters,
     tol: float = DadConfig.tol,
     *,
@@ -247,7 +254,7 @@ def _rank(
   extra = {k: v for k, v in (("iters", iters), ("tol", tol)) if v != getattr(DadConfig, k)}
   return _method(ctx, other, mode="rank", rank=rank,
                  aggregation="two_way" if two_way else "one_way", warm_start=warm,
-                 error_feedback=ef, **extra)
+                 error_feedback=ef, **extra, **_power(block))
 
 
 @register_method(
@@ -256,6 +263,7 @@ def _rank(
     Arg("low", int, within="[1, inf)", doc="rank otherwise (< high)"),
     Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
     Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
+    Arg("block", bool, doc="block power iteration: all components at once (faster)"),
     Arg("window", int, within="[1, inf)", positional=False,
         doc="steps per detector window (none: the run's steps per epoch)"),
     Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
@@ -267,6 +275,7 @@ def _accordion_rank(
     low: int,
     warm: bool = False,
     ef: bool = False,
+    block: bool = False,
     window: int | None = None,
     interval: int = 1,
     eta: float = 0.5,
@@ -278,7 +287,8 @@ def _accordion_rank(
     raise ArgumentError(f"low must be an int < high={high} (the rank outside critical "
                         f"regimes is the smaller one), got {low}")
   return _method(ctx, other, mode="rank", rank=high, rank_low=low,
-                 warm_start=warm, error_feedback=ef, accordion_window=ctx.epoch_window(window),
+                 warm_start=warm, error_feedback=ef, **_power(block),
+                 accordion_window=ctx.epoch_window(window),
                  accordion_interval=interval, accordion_eta=eta, lr_schedule=ctx.lr_schedule)
 
 
@@ -303,7 +313,8 @@ def get_method(
   bits, unbiased), ``"auto_dad"`` (cheapest exact route per layer),
   ``"local_dad"`` (no dAD: every parameter goes to ``other``),
   ``"rank_dad:R"`` (rank-dAD, rank R, one-way) with optional flags
-  ``:two_way``, ``:warm`` (warm start), ``:ef`` (error feedback) and
+  ``:two_way``, ``:warm`` (warm start), ``:ef`` (error feedback), ``:block``
+  (block power iteration) and
   keywords ``iters=``, ``tol=``, e.g. ``"rank_dad:4:two_way:ef"``.
 
   Args:

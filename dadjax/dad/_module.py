@@ -60,9 +60,9 @@ class Dense(nn.Module):
     kernel_init: default ``lecun_normal()`` (Flax's).
     bias_init: default zeros.
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed, quantize_bits: see :class:`DadConfig` (defaults
+    error_feedback, seed, quantize_bits, power: see :class:`DadConfig` (defaults
       ``"data"``, ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0,
-      None). The seed is combined with the layer's path, so layers draw
+      None, ``"deflated"``). The seed is combined with the layer's path, so layers draw
       different starts (and rounding noise).
     rank_low, accordion_window, accordion_interval, accordion_eta,
     lr_schedule: rank-dAD under Accordion (see :class:`DadConfig`); the
@@ -96,6 +96,7 @@ class Dense(nn.Module):
   accordion_eta: float = 0.5
   lr_schedule: Any = None
   quantize_bits: int | None = None
+  power: str = "deflated"
   capture: bool = False
 
   def __post_init__(self):

@@ -13,6 +13,14 @@ Shapes are static, as JAX requires: ``rank`` components are always
 returned; components after the first one that stops carrying signal
 (``sigma`` at round-off level, or exactly zero) are masked to zero, and the
 count of unmasked ones is the *effective rank*.
+
+Two iterations (``method``): ``"deflated"`` (the default) finds one component
+at a time, each a power iteration on one vector deflated against the ones
+found, with its own convergence test; ``"block"`` iterates all ``r`` vectors
+at once (subspace iteration, orthonormalized by QR each step, then a
+Rayleigh-Ritz rotation by the SVD of the small ``G B``), so each step reads
+``A`` and ``D`` once, as matrix-matrix products, instead of ``r`` times as
+matrix-vector products.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import numpy as np
 from dadjax._core.vma import vary_like
 from dadjax._core.keys import hash_uniform
 from dadjax._core.linalg import pow2_scale, pow2_unit, project_out, safe_norm
+
+
+POWER_METHODS = ("deflated", "block")
 
 
 class Factors(NamedTuple):
@@ -105,6 +116,7 @@ def factorize(
     init: jax.Array | None = None,
     memory: jax.Array | None = None,
     precision=None,
+    method: str = "deflated",
 ) -> Factors:
   """Rank-``rank`` factorization of ``G = a.T @ d (+ memory)`` by deflated power iteration.
 
@@ -129,6 +141,19 @@ def factorize(
   kept: ``G`` has no more. A warm start that lies in the span of the found
   components falls back to the random start.
 
+  ``method="block"`` (:func:`_block_factors`) starts from all ``r`` columns at
+  once (the same starts: ``init``'s non-zero columns, else the hashes),
+  iterates ``B <- qr(G^T G B)`` until the part of the new basis outside the
+  old one, ``||B_new - B B^T B_new||_F``, drops below ``tol`` or ``iters``
+  steps ran, and then rotates ``B`` by the SVD of ``G B`` so that the
+  components come out with ``sigma`` descending. Its masking and its
+  exactness at ``rank >= rank(G)`` are the deflated iteration's; every
+  component reports the same iteration count. Per step it costs what one
+  deflated component step costs times ``r`` in multiply-adds, but reads
+  ``A`` and ``D`` once: on a 520 x 512 by 520 x 2048 layer at rank 4, 58 ms
+  against 180 ms per factorization on 2 CPU cores (``experiments/bench_scale.py``
+  measures the step).
+
   ``a`` and ``d`` are first scaled exactly by powers of two to entries below 1
   (``u`` and ``sigma`` are scaled back), so ``G^T G`` neither overflows for
   gradients of 1e30 nor underflows for 1e-30; elsewhere the result has the
@@ -150,14 +175,21 @@ def factorize(
     init: optional (d_out, r) warm start (e.g. last step's ``v``).
     memory: optional dense (d_in, d_out) term added to ``G``.
     precision: ``jax.lax.Precision`` for the products (default: JAX's).
+    method: ``"deflated"`` (one component at a time) or ``"block"`` (all at
+      once; see above). Default ``"deflated"``.
 
   Returns:
     :class:`Factors` with ``u`` (d_in, r), ``v`` (d_out, r), ``sigma`` (r,).
+
+  Raises:
+    ValueError: for a ``method`` outside :data:`POWER_METHODS`.
 
   References:
     Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
     Differentiation" (https://arxiv.org/abs/2102.09631).
   """
+  if method not in POWER_METHODS:
+    raise ValueError(f"method must be one of {POWER_METHODS}, got {method!r}")
   n, d_in = a.shape
   d_out = d.shape[1]
   dtype = jnp.result_type(a.dtype, d.dtype, jnp.float32)
@@ -172,6 +204,14 @@ def factorize(
   cap = min(n, d_in, d_out)  # rank(G) <= cap: further components are round-off
 
   refs = [a, d, jax.random.key_data(key)] + [x for x in (init, memory) if x is not None]
+  if method == "block":
+    us, basis, sigmas, used = _block_factors(g_mv, gtg_mv, rank=rank, iters=iters, tol=tol,
+                                             key=key, init=init, shape=(d_in, d_out),
+                                             dtype=dtype, cap=cap, resolution=resolution,
+                                             refs=refs)
+    us, sigmas = pow2_scale(us, e_a + e_d), pow2_scale(sigmas, e_a + e_d)
+    return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
+                   iterations=used)
 
   def component(k, carry):
     # One loop over components (not a Python unroll) keeps compile time
@@ -216,3 +256,42 @@ def factorize(
   us, sigmas = pow2_scale(us, e_a + e_d), pow2_scale(sigmas, e_a + e_d)
   return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
                  iterations=used)
+
+
+def _block_factors(g_mv, gtg_mv, *, rank, iters, tol, key, init, shape, dtype, cap, resolution,
+                   refs):
+  """Subspace iteration on ``G^T G``: ``(u, v, sigma, iterations)`` of :func:`factorize`'s
+  ``method="block"``, in the scaled units (the caller scales ``u`` and ``sigma`` back)."""
+  d_in, d_out = shape
+  width = min(rank, d_in, d_out)  # a QR basis has at most d_out columns; G at most d_in
+  starts = jax.vmap(lambda k: hash_uniform(key, k, d_out, dtype), out_axes=1)(jnp.arange(width))
+  if init is not None:
+    warm = init[:, :width].astype(dtype)
+    starts = jnp.where(jnp.any(warm != 0, axis=0), warm, starts)
+  orth = lambda x: jnp.linalg.qr(x)[0]
+
+  def cond(carry):
+    it, _, change = carry
+    return (it < iters) & (change >= tol)
+
+  def body(carry):
+    it, b, _ = carry
+    b_new = orth(gtg_mv(b))
+    # The part of the new basis outside the old one (invariant to the columns' signs).
+    return it + 1, b_new, jnp.linalg.norm(b_new - b @ (b.T @ b_new))
+
+  carry = jax.tree.map(lambda c: vary_like(c, *refs),
+                       (jnp.int32(0), orth(starts), jnp.asarray(jnp.inf, dtype)))
+  it, b, _ = jax.lax.while_loop(cond, body, carry)
+  # Rayleigh-Ritz: rotate the basis so that u = G v has orthogonal columns, sigma descending.
+  gb = g_mv(b)
+  _, _, zt = jnp.linalg.svd(gb, full_matrices=False)
+  v, u = b @ zt.T, gb @ zt.T
+  sigma = safe_norm(u, axis=0)
+  index = jnp.arange(width)
+  keep = (index < cap) & (sigma > 0) & (sigma > resolution * sigma[0]) & jnp.isfinite(sigma)
+  keep = jnp.cumprod(keep.astype(jnp.int32)).astype(bool)  # masked from the first that fails
+  pad = rank - width
+  widen = lambda x: jnp.pad(jnp.where(keep, x, 0), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  used = jnp.pad(jnp.where(keep, it, 0).astype(jnp.int32), (0, pad))
+  return widen(u), widen(v), widen(sigma), used

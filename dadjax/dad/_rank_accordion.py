@@ -187,7 +187,8 @@ def rank_dad_accordion(config, a, d, cur, invariant, scale, has_bias
   key_local = start_key(config.seed, step, "rank_dad/local")
   memory = cur.get("memory")
   fac = factorize(a, d, rank=r_high, iters=config.iters, tol=config.tol, key=key_local,
-                  init=cur.get("basis"), memory=memory, precision=config.precision)
+                  init=cur.get("basis"), memory=memory, precision=config.precision,
+                  method=config.power)
   keep = jnp.arange(r_high) < jnp.where(high, r_high, config.rank_low)
   u, v = fac.u * keep, fac.v * keep
   bias_sum = jnp.sum(d, axis=0).astype(fac.u.dtype) if has_bias else None

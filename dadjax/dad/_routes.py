@@ -162,7 +162,7 @@ def _rank_dad(config, a, d, cur, invariant, scale, has_bias):
   memory = cur.get("memory") if cur is not None else None
   fac = factorize(a, d, rank=r, iters=config.iters, tol=config.tol, key=key_local,
                   init=cur.get("basis") if cur is not None else None,
-                  memory=memory, precision=config.precision)
+                  memory=memory, precision=config.precision, method=config.power)
   # One collective per layer: factors (and D's column sums for the exact
   # bias, only when the layer has a bias) travel together.
   parts = [fac.u.ravel(), fac.v.ravel()]
@@ -187,7 +187,7 @@ def _rank_dad(config, a, d, cur, invariant, scale, has_bias):
     d2 = v_all.transpose(0, 2, 1).reshape(n_sites * r, d_out)
     fac2 = factorize(a2, d2, rank=r, iters=config.iters, tol=config.tol, key=key_global,
                      init=cur.get("basis_global") if cur is not None else None,
-                     precision=config.precision)
+                     precision=config.precision, method=config.power)
     # Second round of the protocol: site 0 broadcasts the global factors, so
     # every replica applies bit-identical updates even where hardware or
     # reduction order would make redundant local computations differ.
