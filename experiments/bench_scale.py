@@ -42,7 +42,8 @@ import sys
 import time
 
 DEFAULT_METHODS = ("allreduce,bf16,topk:0.01,ef_topk:0.01,qsgd:16,terngrad,sign,ef_sign,"
-                   "powersgd:4,dad,rank_dad:4,accordion(powersgd:4,powersgd:1),dataquant:4")
+                   "powersgd:4,dad,rank_dad:4,rank_dad:4:block,accordion(powersgd:4,powersgd:1),"
+                   "dataquant:4")
 
 # name -> (registered model, full-size kwargs, quick kwargs, input shape, batch per site)
 MODELS = {
