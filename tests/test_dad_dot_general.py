@@ -131,9 +131,11 @@ def test_rank_dad_runs_on_user_layers(make, shape, options):
   assert stats.gather_bits[0] > 0
 
 
-def test_rank_dad_vmap_equals_shard_map():
+@pytest.mark.parametrize("power", ["deflated", "block"])
+def test_rank_dad_vmap_equals_shard_map(power):
   x, y = _data((16, 3, 4))
-  model = UserGeneral(functools.partial(dad.DotGeneral, mode="rank", rank=2, warm_start=True))
+  model = UserGeneral(functools.partial(dad.DotGeneral, mode="rank", rank=2, warm_start=True,
+                                        power=power))
   mask = dad.layer_mask(model, x[:2])
   tx = optax.chain(dad.synchronize(mask), optax.sgd(0.1))
   a = _train(model, tx, x, y, "vmap")

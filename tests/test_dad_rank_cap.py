@@ -27,11 +27,13 @@ AXIS = "data"
     (2, 8, 8, 4),  # rank > rows
     (16, 5, 5, 8),  # rank > every dimension
 ])
-def test_factorize_caps_components_at_the_rank_of_g(n, d_in, d_out, rank):
+@pytest.mark.parametrize("method", ["deflated", "block"])
+def test_factorize_caps_components_at_the_rank_of_g(n, d_in, d_out, rank, method):
   rng = np.random.default_rng(0)
   a = jnp.asarray(rng.normal(size=(n, d_in)), jnp.float32)
   d = jnp.asarray(rng.normal(size=(n, d_out)), jnp.float32)
-  fac = dad.factorize(a, d, rank=rank, iters=30, tol=0.0, key=jax.random.key(0))
+  fac = dad.factorize(a, d, rank=rank, iters=30, tol=0.0, key=jax.random.key(0), method=method)
+  assert fac.u.shape == (d_in, rank) and fac.v.shape == (d_out, rank)
   cap = min(n, d_in, d_out)
   assert int(fac.rank) == cap
   np.testing.assert_array_equal(np.asarray(fac.sigma)[cap:], 0)
