@@ -23,7 +23,7 @@ Usage (from the repository root)::
   .venv/bin/python experiments/dad.py                        # the three default configs
   .venv/bin/python experiments/dad.py --config experiments/configs/dad_mlp.json
   .venv/bin/python experiments/dad.py --steps 50 --methods allreduce,dad,rank_dad:2
-  .venv/bin/python experiments/dad.py --workload fashion_mlp   # 60 runs, ~40 min on 2 cores
+  .venv/bin/python experiments/dad.py --workload fashion_mlp   # 60 runs, ~40 min on 2 cores (from 28-41 s per run)
 
 With ``--workload``, the IID partition runs :data:`WORKLOAD_METHODS` and the
 non-IID one :data:`NON_IID_METHODS` unless ``--methods`` names them; on the
