@@ -8,7 +8,7 @@ to any Flax layer contracting an input with a kernel (``nn.Dense``,
 ``nn.DenseGeneral``, attention projections, einsums; NNX through
 :mod:`dadjax.nnx`); :class:`Dense` is a drop-in for ``flax.linen.Dense``;
 :func:`synchronize` handles every other parameter and the bit ledger. The
-specs ``dad``, ``auto_dad``, ``local_dad`` and ``rank_dad:R[:two_way][:warm][:ef]``
+specs ``dad``, ``auto_dad``, ``local_dad`` and ``rank_dad:R[:two_way][:warm][:ef][:block]``
 are registered methods (:func:`get_method`, ``dadjax methods``). The
 structured power iteration (:func:`~dadjax.extend.factorize`) is in
 :mod:`dadjax.extend`.
