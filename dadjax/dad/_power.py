@@ -150,9 +150,9 @@ def factorize(
   exactness at ``rank >= rank(G)`` are the deflated iteration's; every
   component reports the same iteration count. Per step it costs what one
   deflated component step costs times ``r`` in multiply-adds, but reads
-  ``A`` and ``D`` once: on a 520 x 512 by 520 x 2048 layer at rank 4, 58 ms
-  against 180 ms per factorization on 2 CPU cores (``experiments/bench_scale.py``
-  measures the step).
+  ``A`` and ``D`` once: on a 520 x 512 by 520 x 2048 layer at rank 4, 30 ms
+  against 95 ms per factorization on 2 CPU cores (``experiments/bench_factorize.py``;
+  ``experiments/bench_scale.py`` measures the step).
 
   ``a`` and ``d`` are first scaled exactly by powers of two to entries below 1
   (``u`` and ``sigma`` are scaled back), so ``G^T G`` neither overflows for
