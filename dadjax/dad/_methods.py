@@ -234,7 +234,7 @@ def _quantized(ctx: BuildContext, bits: int = 4, *, other=None) -> Method:
     Arg("two_way", bool, doc="two-way aggregation (global rank-r result) instead of one-way"),
     Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
     Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
-    Arg("block", bool, doc="block power iteration: all components at once (faster)"),
+    Arg("block", bool, doc="block power iteration: all components at once (fewer passes over A and D)"),
     Arg("iters", int, within="[1, inf)", positional=False, doc="power iterations per component"),
     Arg("tol", float, within="[0, inf)", positional=False, doc="power-iteration tolerance"),
 )
@@ -263,7 +263,7 @@ def _rank(
     Arg("low", int, within="[1, inf)", doc="rank otherwise (< high)"),
     Arg("warm", bool, doc="warm-start the power iteration from the last step's factors"),
     Arg("ef", bool, doc="error feedback: keep each site's compression residual"),
-    Arg("block", bool, doc="block power iteration: all components at once (faster)"),
+    Arg("block", bool, doc="block power iteration: all components at once (fewer passes over A and D)"),
     Arg("window", int, within="[1, inf)", positional=False,
         doc="steps per detector window (none: the run's steps per epoch)"),
     Arg("interval", int, within="[1, inf)", positional=False, doc="windows between checks"),
