@@ -31,7 +31,7 @@
 - **Exchange helpers** for compressors: :func:`leafwise`, :func:`exchange`,
   :func:`one_round_exchange`, :class:`Exchanged`; payload types
   :class:`SparsePayload`, :class:`QuantizedPayload`, :class:`PowerSGDPayload`;
-  :func:`orthogonalize`.
+  :func:`orthogonalize`, :func:`largest_magnitude_indices`.
 - **Batch stages** (data-side methods): :class:`BatchStage`,
   :class:`StageContext`, :class:`StageOutput`, :class:`GradResult`.
 - **dAD kernels**: :func:`factorize`, :class:`Factors`,
@@ -62,7 +62,7 @@ from dadjax.compress._base import (Exchanged, Keys, as_keys, exchange, leafwise,
                                    one_round_exchange, step_keys)
 from dadjax.compress._powersgd import PowerSGDPayload
 from dadjax.compress._quantize import QuantizedPayload
-from dadjax.compress._sparse import SparsePayload
+from dadjax.compress._sparse import SparsePayload, largest_magnitude_indices
 from dadjax.dad import Factors, current_state, factorize, layer_bits, layer_route, product_route
 from dadjax.registry import (
     COMPRESSOR,
@@ -99,7 +99,8 @@ __all__ = [
     # keys
     "Keys", "as_keys", "step_keys",
     # exchange helpers and payloads
-    "Exchanged", "exchange", "leafwise", "one_round_exchange", "orthogonalize", "PowerSGDPayload",
+    "Exchanged", "exchange", "leafwise", "one_round_exchange", "orthogonalize",
+    "largest_magnitude_indices", "PowerSGDPayload",
     "QuantizedPayload", "SparsePayload",
     # batch stages
     "BatchStage", "GradResult", "StageContext", "StageOutput",

@@ -193,6 +193,34 @@ def test_topk_keeps_exactly_the_k_largest():
   assert all(p.indices.dtype == jnp.int32 for p in payload)
 
 
+@pytest.mark.parametrize("size,k", [(10, 10), (10, 9), (11, 6), (11, 5), (1000, 990), (1000, 10)])
+def test_largest_magnitude_indices_keeps_top_k_set_ties_included(size, k):
+  from dadjax.extend import largest_magnitude_indices  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(size + k)
+  # Few distinct magnitudes of both signs, zeros among them: ties at the boundary.
+  x = (rng.integers(-3, 4, size) * 0.5).astype(np.float32)
+  idx = np.asarray(jax.jit(largest_magnitude_indices, static_argnums=1)(jnp.asarray(x), k))
+  assert idx.dtype == np.int32 and idx.shape == (k,)
+  _, expected = jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)
+  assert sorted(idx.tolist()) == sorted(np.asarray(expected).tolist())
+
+
+def test_topk_high_ratio_equals_top_k_under_error_feedback():
+  """The complement selection (ratio above 1/2) gives the plain top_k's tensors, memory included."""
+  g = _tree(3)
+  for ratio in (0.99, 0.6):
+    c = C.get_compressor(f"ef_topk:{ratio}")
+    out, _, state = _roundtrip(c, g)
+    for name in g:
+      x = np.asarray(g[name]).ravel()
+      k = round(ratio * x.size)
+      _, top = jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)
+      y = np.zeros_like(x)
+      y[np.asarray(top)] = x[np.asarray(top)]
+      np.testing.assert_array_equal(np.asarray(out[name]).ravel(), y)
+      np.testing.assert_array_equal(np.asarray(state.memory[name]).ravel(), x - y)
+
+
 def test_topk_average_over_sites_is_mean_of_sparse_tensors():
   sites = jax.tree.map(lambda x: jnp.stack([x + i for i in range(4)]), _tree(2))
   c = C.topk(0.1)
