@@ -93,8 +93,10 @@ Notes.
   evaluation points. Error feedback (PowerSGD, TopK) re-sends past residuals,
   so its per-step error is large by design. One-way rank-dAD's aggregate
   has rank up to N r.
-- One seed: test-accuracy differences of a few points, and so the steps
-  to target, are noise at this scale.
+"""
+ONE_SEED_NOTE = """\
+- One seed (the config tasks): test-accuracy differences of a few points,
+  and so the steps to target, are noise at this scale.
 """
 DEFAULT_CONFIGS = ("configs/dad_mlp.json", "configs/dad_gru.json", "configs/dad_transformer.json")
 
@@ -537,7 +539,7 @@ def main(argv=None) -> int:
     print(table, flush=True)
     plot(task, rows, out / f"dad_{task.name}.png")
     sections.append(table + f"\n\n![{task.name}](dad_{task.name}.png)\n")
-  sections.append(NOTES)
+  sections.append(NOTES + (ONE_SEED_NOTE if configs else ""))
   sections.append(f"Total wall time: {time.perf_counter() - t0:.0f} s (2 CPU cores).\n")
   (out / f"{args.name}.md").write_text("\n".join(sections))
   print(f"wrote {out / f'{args.name}.md'}")
