@@ -205,6 +205,15 @@ def test_largest_magnitude_indices_keeps_top_k_set_ties_included(size, k):
   assert sorted(idx.tolist()) == sorted(np.asarray(expected).tolist())
 
 
+def test_largest_magnitude_indices_keeps_nan_like_top_k():
+  from dadjax.extend import largest_magnitude_indices  # pylint: disable=g-import-not-at-top
+  x = jnp.asarray([0.1, np.nan, -3.0, 0.2, np.inf, 0.0, -0.5, 2.0, 0.3, 1.0], jnp.float32)
+  for k in (6, 9):
+    kept = set(np.asarray(largest_magnitude_indices(x, k)).tolist())
+    assert {1, 2, 4} <= kept  # NaN and the infinities are kept, as top_k keeps them
+    assert kept == set(np.asarray(jax.lax.top_k(jnp.abs(x), k)[1]).tolist())
+
+
 def test_topk_high_ratio_equals_top_k_under_error_feedback():
   """The complement selection (ratio above 1/2) gives the plain top_k's tensors, memory included."""
   g = _tree(3)

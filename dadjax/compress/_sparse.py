@@ -53,7 +53,10 @@ def largest_magnitude_indices(flat: jax.Array, k: int) -> jax.Array:
   drop = size - k
   if drop == 0:
     return jnp.arange(size, dtype=jnp.int32)
-  _, reversed_dropped = jax.lax.top_k(-jnp.abs(flat[::-1]), drop)
+  # NaN is kept, as top_k keeps it (its key is the lowest): an error must travel, not hide
+  # in an error-feedback memory.
+  magnitude = jnp.abs(flat[::-1])
+  _, reversed_dropped = jax.lax.top_k(jnp.where(jnp.isnan(magnitude), -jnp.inf, -magnitude), drop)
   kept = jnp.ones((size,), bool).at[size - 1 - reversed_dropped].set(False)
   return jnp.nonzero(kept, size=k)[0].astype(jnp.int32)
 
