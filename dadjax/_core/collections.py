@@ -47,6 +47,13 @@ class CollectionRule(NamedTuple):
     metrics_row: ``value -> {name: float}``, host values for the train
       loop's metrics rows from the collection (stacked per site; read site
       0), or ``None``.
+    gradient: takes over the step's differentiation when the model state
+      holds the collection: ``gradient(objective, params, diff) -> (loss,
+      aux, grads, diff_grads)``, where ``objective(params, diff,
+      overrides) -> (loss, aux)`` is the loss with ``overrides`` (a dict of
+      collections) replacing the model state's; for a family that forms
+      some gradients after the backward pass (dAD's one gather per pass,
+      :mod:`dadjax.dad._bucket`). ``None``: ``jax.value_and_grad``.
   """
 
   differentiate: bool = False
@@ -54,6 +61,7 @@ class CollectionRule(NamedTuple):
   in_site: Callable[[Any, Any], tuple[Any, Any]] | None = None
   average: bool = False
   metrics_row: Callable[[Any], dict] | None = None
+  gradient: Callable[..., tuple] | None = None
 
   def apply(self, old: Any, new: Any) -> Any:
     """The collection after a step (``update(old, new)`` or ``new``)."""

@@ -66,6 +66,7 @@ from dadjax.dad._sync import (
     synchronize,
 )
 from dadjax.dad import _collection  # registers the "dad_state" collection rule
+from dadjax.dad import _bucket  # registers the "dad_bucket" rule (one gather per backward pass)
 
 # factorize, Factors, product_route, current_state, layer_bits and
 # layer_route stay importable from here; their documented home is dadjax.extend.

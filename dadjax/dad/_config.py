@@ -53,6 +53,9 @@ class DadConfig:
     quantize_bits: ``mode="exact"`` only: send ``A`` and ``D`` stochastically
       rounded to this many bits per number, in ``[1, 8]`` (quantized dAD,
       unbiased; :mod:`dadjax.dad._quantized`). Default ``None`` (fp rows).
+    bucket: ``mode="exact"`` only: the train step gathers every bucketing
+      layer's ``A`` and ``D`` in one all-gather per backward pass instead of
+      one per layer (:mod:`dadjax.dad._bucket`). Default False.
   """
 
   axis_name: str | None = "data"
@@ -72,6 +75,7 @@ class DadConfig:
   lr_schedule: Any = None
   quantize_bits: int | None = None
   power: str = "deflated"
+  bucket: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -114,3 +118,8 @@ class DadConfig:
           or not 1 <= self.quantize_bits <= 8):
         raise ValueError(f"quantize_bits must be None or an int in [1, 8], "
                          f"got {self.quantize_bits!r}")
+    if not isinstance(self.bucket, bool):
+      raise ValueError(f"bucket must be a bool, got {self.bucket!r}")
+    if self.bucket and (self.mode != "exact" or self.quantize_bits is not None):
+      raise ValueError("bucket applies to mode='exact' without quantize_bits (the exact rows "
+                       f"A and D), got mode={self.mode!r}, quantize_bits={self.quantize_bits!r}")

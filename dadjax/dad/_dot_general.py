@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 from dadjax._core.keys import layer_seed  # noqa: F401  (Dense's too)
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION, Traffic, bits_const
+from dadjax.dad._bucket import bucketed_output
 from dadjax.dad._config import DadConfig
 from dadjax.dad._cost import layer_traffic
 from dadjax.dad._rank_accordion import accordion_gather_bits
@@ -313,7 +314,7 @@ class DotGeneral(nn.Module):
   Attributes:
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
     error_feedback, seed, rank_low, accordion_window, accordion_interval,
-    accordion_eta, lr_schedule, quantize_bits, power: see
+    accordion_eta, lr_schedule, quantize_bits, power, bucket: see
       :class:`~dadjax.dad.DadConfig` (same defaults). The seed is combined
       with the module's path.
 
@@ -338,6 +339,7 @@ class DotGeneral(nn.Module):
   lr_schedule: Any = None
   quantize_bits: int | None = None
   power: str = "deflated"
+  bucket: bool = False
 
   def __post_init__(self):
     self.config()  # fail at construction, naming the bad argument
@@ -371,8 +373,14 @@ class DotGeneral(nn.Module):
     if c.batch_shape and config.rank_low is not None:
       raise ValueError("rank_low: Accordion's rank switching is per layer; a dot_general with "
                        "batch axes (one kernel per batch entry) does not support it")
+    if config.bucket:
+      a, k = c.operands(lhs, rhs)
+      y = bucketed_output(self, a, k, None, config)
+      if y is not None:  # the train step gathers A and D with every other layer's
+        y = y.reshape(c.out_shape)
+        return y if preferred_element_type is None else y.astype(preferred_element_type)
     state = None
-    if config.mode != "local":
+    if config.mode != "local" and not config.bucket:
       state = module_state(self, KERNEL_STATE_NAME, init_kernel_state, config, c)
     y = dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type,
                     state=state, config=config)

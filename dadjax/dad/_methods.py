@@ -201,10 +201,14 @@ def _power(block: bool) -> dict:
   return {"power": "block"} if block else {}
 
 
-@register_method("dad")
-def _exact(ctx: BuildContext, *, other=None) -> Method:
+@register_method(
+    "dad",
+    Arg("bucket", bool, doc="one all-gather of every layer's A and D per backward pass "
+        "(not one per layer)"),
+)
+def _exact(ctx: BuildContext, bucket: bool = False, *, other=None) -> Method:
   """Exact dAD: every dense layer all-gathers its inputs A and deltas D."""
-  return _method(ctx, other, mode="exact")
+  return _method(ctx, other, mode="exact", **({"bucket": True} if bucket else {}))
 
 
 @register_method("auto_dad")

@@ -19,6 +19,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 
 from dadjax._core.validate import check_int
+from dadjax.dad._bucket import bucketed_output
 from dadjax.dad._config import DadConfig
 from dadjax.dad._cost import layer_traffic
 from dadjax.dad._dot_general import layer_seed, module_state, report
@@ -60,9 +61,9 @@ class Dense(nn.Module):
     kernel_init: default ``lecun_normal()`` (Flax's).
     bias_init: default zeros.
     axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed, quantize_bits, power: see :class:`DadConfig` (defaults
+    error_feedback, seed, quantize_bits, power, bucket: see :class:`DadConfig` (defaults
       ``"data"``, ``"exact"``, 4, 10, 1e-3, ``"one_way"``, False, False, 0,
-      None, ``"deflated"``). The seed is combined with the layer's path, so layers draw
+      None, ``"deflated"``, False). The seed is combined with the layer's path, so layers draw
       different starts (and rounding noise).
     rank_low, accordion_window, accordion_interval, accordion_eta,
     lr_schedule: rank-dAD under Accordion (see :class:`DadConfig`); the
@@ -97,6 +98,7 @@ class Dense(nn.Module):
   lr_schedule: Any = None
   quantize_bits: int | None = None
   power: str = "deflated"
+  bucket: bool = False
   capture: bool = False
 
   def __post_init__(self):
@@ -124,17 +126,23 @@ class Dense(nn.Module):
             if self.use_bias else None)
     inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     config = self.config(seed=layer_seed(self.seed, self.path))
-    state = None
-    if config.mode != "local":
-      state = module_state(self, STATE_NAME, init_state, config, d_in, self.features)
     if self.capture:
       self.sow("intermediates", "inputs", inputs)
-    y = _dense(inputs, kernel, bias, state, config)
-    if config.axis_name is not None:
-      # What the backward pass will hand to collectives, read from its own
-      # payloads on these operands (dtype promotion, bias, typing included).
-      traffic = layer_traffic(config, inputs, kernel, bias, state)
-      report(self, config, traffic, kernel.shape, kernel.dtype, state)
+    y = None
+    if config.bucket:  # the train step gathers A and D with every other layer's
+      y = bucketed_output(self, inputs.reshape(-1, d_in), kernel, bias, config)
+    if y is not None:
+      y = y.reshape(inputs.shape[:-1] + (self.features,))
+    else:  # the layer's own route
+      state = None
+      if config.mode != "local" and not config.bucket:
+        state = module_state(self, STATE_NAME, init_state, config, d_in, self.features)
+      y = _dense(inputs, kernel, bias, state, config)
+      if config.axis_name is not None:
+        # What the backward pass will hand to collectives, read from its own
+        # payloads on these operands (dtype promotion, bias, typing included).
+        traffic = layer_traffic(config, inputs, kernel, bias, state)
+        report(self, config, traffic, kernel.shape, kernel.dtype, state)
     if self.capture:
       y = self.perturb("outputs", y)
     return y

@@ -79,12 +79,22 @@ def grad_result(loss_fn: LossFn, mutable: Sequence[str], params, model_state, ba
   leaves, treedef = jax.tree.flatten(diff)
   is_float = [_is_float(v) for v in leaves]
 
-  def objective(p, d):
+  def objective(p, d, overrides=None):
     d = treedef.unflatten([x if f else v for x, v, f in zip(d, leaves, is_float)])
-    return loss_fn(p, {**fixed, **d}, batch, rng, train)
+    return loss_fn(p, {**fixed, **d, **(overrides or {})}, batch, rng, train)
 
-  (value, aux), (grads, dleaves) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-      params, [v if f else None for v, f in zip(leaves, is_float)])
+  start = [v if f else None for v, f in zip(leaves, is_float)]
+  # A collection whose rule forms gradients after the backward pass (dAD's
+  # one gather per pass) takes over the differentiation.
+  takeover = [rules[k].gradient for k in model_state if k in rules and rules[k].gradient]
+  if len(takeover) > 1:
+    raise ValueError("the model state holds several collections whose rules take over the "
+                     "differentiation (CollectionRule.gradient); at most one can")
+  if takeover:
+    value, aux, grads, dleaves = takeover[0](objective, params, start)
+  else:
+    (value, aux), (grads, dleaves) = jax.value_and_grad(
+        objective, argnums=(0, 1), has_aux=True)(params, start)
   cotangents = treedef.unflatten([g if f else None for g, f in zip(dleaves, is_float)])
   aux, returned = _split_aux(aux)
   extra = {}

@@ -1,0 +1,244 @@
+"""Exact dAD with one all-gather per backward pass (``DadConfig(bucket=True)``, ``dad:bucket``).
+
+A dAD layer's ``custom_vjp`` must return its kernel's gradient from its own
+backward pass, so plain exact dAD runs one all-gather per layer (each costs
+at least a round trip on a real link). The gathers are independent of one
+another (the delta passed down to layer ``l - 1`` is this site's *local*
+``D_l W_l^T``), so they can all wait until the backward pass is over. A
+bucketed layer lets the train step do that:
+
+1. The layer computes ``y = A stop_gradient(K) (+ stop_gradient(b)) + Z``
+   with a zero *slot* ``Z`` shaped like ``y`` (one per call of the layer),
+   and sows its rows ``A``, kernel ``K`` and bias ``b`` into the
+   ``"dad_bucket"`` collection. Its input gradient ``D K^T`` stays local.
+2. The step differentiates the loss with respect to the parameters and the
+   slots: a slot's gradient is the layer's output delta ``D``.
+3. Every layer's ``[A, D]`` travels in **one** bucketed all-gather (one
+   buffer per dtype, :func:`~dadjax.comm.metered_all_gather`); each site
+   forms the exact ``(1/N) sum_s A_s^T D_s`` (and ``D``'s column sums for
+   :class:`~dadjax.dad.Dense`'s bias).
+4. The kernels' gradients are mapped back onto the parameters they were
+   computed from (a dtype cast, :class:`~dadjax.dad.DotGeneral`'s
+   transpose and reshape of a ``DenseGeneral`` kernel) by the ``vjp`` of a
+   second trace of the forward pass that returns only the sown kernels;
+   XLA removes the rest of that trace as dead code.
+
+The gradient equals plain exact dAD's (the same products, summed in the same
+order up to float rounding) and the ledger books the one gather's payload,
+``n (d_in + d_out)`` numbers per layer call, as before.
+
+Where a layer cannot join (it runs inside a lifted transform that does not
+carry the ``"dad_bucket"`` collection, e.g. ``nn.scan`` without it in
+``variable_axes``; a loss function that does not make every collection of
+the variables mutable and return it in ``aux["model_state"]``; a user who
+differentiates ``model.apply`` directly), it takes its own exact route, one
+gather of its own: the gradient is the same, only the bucket is smaller.
+The bucket is formed by the train step's differentiation
+(:func:`dadjax.parallel.grad_result`, through the collection's
+:class:`~dadjax._core.collections.CollectionRule` ``gradient``); layers record
+themselves only while it traces.
+
+References:
+  Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
+  Differentiation" (https://arxiv.org/abs/2102.09631).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from dadjax._core.collections import CollectionRule, register_rule
+from dadjax._core.vma import is_varying, to_varying, vma, vary_like
+from dadjax.comm import COMM_COLLECTION, bits_const, metered_all_gather, traffic_add
+from dadjax.dad._config import DadConfig
+from dadjax.dad._routes import match_type
+
+BUCKET_COLLECTION = "dad_bucket"
+MARKER = "bucket"  # created at init: the model state holds the collection iff a layer buckets
+ROWS, KERNELS, BIASES, SLOT = "rows", "kernels", "biases", "slot"
+MODEL_STATE = "model_state"
+
+_TRACE = threading.local()  # the layers seen while the step traces a bucketed pass
+
+
+@contextlib.contextmanager
+def _recording():
+  """Layers that bucket, by module path -> config, while the step traces its passes."""
+  outer = getattr(_TRACE, "layers", None)
+  _TRACE.layers = {}
+  try:
+    yield _TRACE.layers
+  finally:
+    _TRACE.layers = outer
+
+
+def bucketed_output(module: nn.Module, a: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                    config: DadConfig) -> jax.Array | None:
+  """A bucketing layer's output ``a @ kernel (+ bias)``, or ``None`` to take its own route.
+
+  Args:
+    module: the calling layer (its variables hold the slots and sown rows).
+    a: (..., n, d_in) rows (leading axes: one kernel per entry).
+    kernel: (..., d_in, d_out).
+    bias: (d_out,) or ``None``.
+    config: the layer's :class:`DadConfig` (``bucket=True``).
+
+  Returns:
+    (..., n, d_out), or ``None`` at init and whenever the layer is not
+    traced by the step's bucketed pass (module docstring).
+  """
+  if not module.is_mutable_collection(BUCKET_COLLECTION):  # e.g. inside nn.scan without it
+    return None
+  if module.is_initializing():
+    module.variable(BUCKET_COLLECTION, MARKER, lambda: jnp.zeros((), jnp.int8))
+    return None
+  layers = getattr(_TRACE, "layers", None)
+  if layers is None:
+    return None
+  call = len(module.get_variable(BUCKET_COLLECTION, ROWS, ()))
+  y = jnp.matmul(a, jax.lax.stop_gradient(kernel), precision=config.precision)
+  if bias is not None:
+    y = y + jax.lax.stop_gradient(bias)
+  # A slot is typed like the output (varying per site under shard_map): the
+  # gradient of an invariant slot would be summed over the sites.
+  slot = module.variable(BUCKET_COLLECTION, f"{SLOT}{call}",
+                         lambda: vary_like(jnp.zeros(y.shape, y.dtype), y)).value
+  module.sow(BUCKET_COLLECTION, ROWS, a)
+  module.sow(BUCKET_COLLECTION, KERNELS, kernel)
+  if bias is not None:
+    module.sow(BUCKET_COLLECTION, BIASES, bias)
+  layers[tuple(module.path)] = config
+  return y + slot
+
+
+def _layers(sown: Any) -> dict[tuple, dict]:
+  """The sown collection by layer path: ``{path: {"rows": (...), "kernels": ..., "slot0": ...}}``."""
+  out: dict[tuple, dict] = {}
+  for key, value in traverse_util.flatten_dict(dict(sown or {})).items():
+    out.setdefault(key[:-1], {})[key[-1]] = value
+  return {path: entry for path, entry in out.items() if ROWS in entry}
+
+
+def _nest(flat: dict) -> dict:
+  return traverse_util.unflatten_dict(flat)
+
+
+def _returned(aux: Any) -> Any:
+  if isinstance(aux, dict) and isinstance(aux.get(MODEL_STATE), dict):
+    return aux[MODEL_STATE].get(BUCKET_COLLECTION)
+  return None
+
+
+def bucketed_gradient(objective, params, diff):
+  """The step's differentiation with one all-gather for every bucketing dAD layer.
+
+  ``objective(params, diff, overrides) -> (loss, aux)`` (the loss with
+  ``overrides`` replacing model-state collections); ``diff`` the
+  differentiated collections' float leaves. Returns ``(loss, aux, grads,
+  diff_grads)`` as ``jax.value_and_grad`` would, the bucketed kernels' (and
+  biases') synchronized gradients included and the gather booked in
+  ``aux["model_state"]["comm"]`` (module docstring).
+  """
+  with _recording() as configs:
+    probe = _layers(_returned(objective(params, diff, {BUCKET_COLLECTION: {}})[1]))
+  if not probe:  # no layer could join: every one took its own route
+    (value, aux), (grads, diff_grads) = jax.value_and_grad(
+        objective, argnums=(0, 1), has_aux=True)(params, diff)
+    return value, aux, grads, diff_grads
+  slots = _nest({path + (name,): to_varying(jnp.zeros(v.shape, v.dtype), vma(v))
+                 for path, entry in probe.items() for name, v in entry.items()
+                 if name.startswith(SLOT)})
+
+  def traced(p, d, s):
+    with _recording():
+      return objective(p, d, {BUCKET_COLLECTION: s})
+
+  (value, aux), (grads, diff_grads, deltas) = jax.value_and_grad(
+      traced, argnums=(0, 1, 2), has_aux=True)(params, diff, slots)
+  sown = _layers(_returned(aux))
+  if set(sown) != set(probe):
+    raise ValueError("dad bucket: the loss function must return the 'dad_bucket' collection "
+                     "in aux['model_state'] on every call (make every collection of the "
+                     "variables mutable, as dadjax.parallel.model_loss does)")
+  deltas = traverse_util.flatten_dict(deltas)
+  cotangents, traffic = _synchronized(sown, deltas, configs)
+
+  def kernels_of(p):
+    taken = _layers(_returned(traced(p, diff, slots)[1]))
+    return {"/".join(path): {k: taken[path][k] for k in (KERNELS, BIASES) if k in taken[path]}
+            for path in sown}
+
+  _, pullback = jax.vjp(kernels_of, params)
+  (from_kernels,) = pullback(cotangents)
+  grads = jax.tree.map(jnp.add, grads, from_kernels)
+  aux = dict(aux)
+  model_state = dict(aux[MODEL_STATE])
+  comm = dict(model_state.get(COMM_COLLECTION) or {})
+  comm[BUCKET_COLLECTION] = {
+      "gather_bits": (bits_const(traffic.gather),),
+      "gather_calls": (jnp.zeros((traffic.gather_calls,), jnp.int8),)}
+  if traffic.reduce_calls:
+    comm[BUCKET_COLLECTION].update(
+        reduce_bits=(bits_const(traffic.reduce),),
+        reduce_calls=(jnp.zeros((traffic.reduce_calls,), jnp.int8),))
+  model_state[COMM_COLLECTION] = comm
+  aux[MODEL_STATE] = model_state
+  return value, aux, grads, diff_grads
+
+
+def _synchronized(sown: dict, deltas: dict, configs: dict):
+  """``({layer: {"kernels": (G, ...), "biases": (...)}}, traffic)``: one gather per group.
+
+  Layers are grouped by site axis and by whether their kernel is typed
+  invariant (a replicated ``P()`` parameter under ``shard_map``: JAX sums the
+  sites' contributions there, as the per-layer route does); one group is the
+  usual case, and each group is one bucketed all-gather.
+  """
+  groups: dict[tuple, dict] = {}
+  for path, entry in sown.items():
+    config = configs[path]
+    kernel = entry[KERNELS][0]
+    invariant = (config.axis_name is not None
+                 and any(is_varying(v, config.axis_name) for v in entry[ROWS])
+                 and not is_varying(kernel, config.axis_name))
+    calls = [(a, deltas[path + (f"{SLOT}{i}",)]) for i, a in enumerate(entry[ROWS])]
+    groups.setdefault((config.axis_name, invariant), {})["/".join(path)] = calls
+  cotangents, sent = {}, []
+  for (axis, invariant), payload in groups.items():
+    gathered, traffic = metered_all_gather(payload, axis, invariant=invariant, bucket=True)
+    sent.append(traffic)
+    for name, calls in gathered.items():
+      path = tuple(name.split("/"))
+      entry, config = sown[path], configs[path]
+      typed = any(is_varying(v, axis) for v in jax.tree.leaves(entry[ROWS]))
+      scale = 1.0 if invariant else 1.0 / calls[0][0].shape[0]
+      out = {KERNELS: []}
+      for i, (a_all, d_all) in enumerate(calls):
+        # sites and rows are summed: (N, ..., n, d_in) x (N, ..., n, d_out) -> (..., d_in, d_out)
+        g = jnp.einsum("s...ni,s...no->...io", a_all, d_all, precision=config.precision) * scale
+        g, t = match_type(g.astype(entry[KERNELS][i].dtype), entry[KERNELS][i], axis, typed)
+        out[KERNELS].append(g)
+        sent.append(t)
+        if BIASES in entry:
+          gb = jnp.sum(d_all, axis=(0, d_all.ndim - 2)) * scale
+          gb, t = match_type(gb.astype(entry[BIASES][i].dtype), entry[BIASES][i], axis, typed)
+          out.setdefault(BIASES, []).append(gb)
+          sent.append(t)
+      cotangents[name] = {k: tuple(v) for k, v in out.items()}
+  return cotangents, traffic_add(*sent)
+
+
+def _keep_marker(old: Any, new: Any) -> Any:
+  del new  # the slots and sown rows of one step are not state
+  return old
+
+
+BUCKET_RULE = register_rule(BUCKET_COLLECTION, CollectionRule(
+    update=_keep_marker, gradient=bucketed_gradient))
