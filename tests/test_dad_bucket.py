@@ -192,9 +192,10 @@ def test_bucket_bf16_layers_gather_one_buffer():
   state = step.init(jax.random.key(0), x[:2])
   state, metrics = step(state, {"x": x, "y": y})
   assert np.isfinite(np.asarray(metrics["loss"])).all()
-  ops = step.collectives(state, {"x": x, "y": y})
-  assert ops.count["gather"] == 1
-  assert 8 * ops.nbytes["gather"] == dadjax.comm_stats(state.opt_state).gather_bits[0]
+  assert step.collectives(state, {"x": x, "y": y}).count["gather"] == 1
+  # XLA:CPU widens 16-bit collectives when it compiles: compare the traced program
+  check = step.ledger_check(state, {"x": x, "y": y})
+  assert check["program_bits"] == check["booked_bits"]
 
 
 @pytest.mark.parametrize("options, match", [
