@@ -24,22 +24,23 @@ the same, with ``allow_int=True`` for the int counter::
     grads, cts = jax.grad(loss, argnums=(0, 1), allow_int=True)(params, dad_state)
     dad_state = dadjax.dad.next_state(dad_state, cts)
 
-Collectives per step: one all-gather per layer. Layer ``l``'s gradient
-needs only its own gathered ``A_l`` and ``D_l``, and the delta passed down
-to layer ``l - 1`` is this site's *local* ``D_l W_l^T``: no layer's backward
-pass waits for another layer's gather, so the gathers are independent of one
-another and could all run after the backward pass, in one buffer. What keeps
-them per layer is where the gradient is formed: each layer's ``custom_vjp``
+Collectives per step: one all-gather per layer, or one per backward pass
+with ``bucket=True`` (spec ``dad:bucket``). Layer ``l``'s gradient needs
+only its own gathered ``A_l`` and ``D_l``, and the delta passed down to
+layer ``l - 1`` is this site's *local* ``D_l W_l^T``: no layer's backward
+pass waits for another layer's gather. What keeps the gathers per layer by
+default is where the gradient is formed: each layer's ``custom_vjp``
 backward must return its kernel's gradient, and a backward pass has no side
-output for its rows (its only extra output is the ``"dad_state"``
-cotangent, shaped like the state at init, not like this step's ``n`` rows).
-One buffer per backward pass needs the step to differentiate, instead, with
-respect to a zero perturbation of every dAD layer's output (``D_l`` is that
-perturbation's gradient), capture ``A_l`` in the forward pass (``sow``),
-all-gather every layer's ``[A_l, D_l]`` at once and form ``A_l^T D_l`` there:
-a change to the step's differentiation (:mod:`dadjax.parallel`), not to the
-layer. The same holds for rank-dAD's factors. (XLA's all-gather combiner on
-GPU/TPU may merge such independent gathers by itself; XLA:CPU does not.)
+output for its rows. A bucketing layer hands that job to the train step
+(:mod:`dadjax.dad._bucket`): its output carries a zero slot whose gradient
+is ``D``, its rows ``A`` are sown, and the step gathers every layer's
+``[A, D]`` at once after the backward pass and maps ``A^T D`` back onto the
+parameters. A layer that cannot join (inside ``nn.scan`` without
+``"dad_bucket"`` in its ``variable_axes``, or differentiated outside the
+train step) takes its own route. rank-dAD's factors stay per layer (each
+layer's power iteration runs in its backward pass). (XLA's all-gather
+combiner on GPU/TPU may merge independent per-layer gathers by itself;
+XLA:CPU does not.)
 
 References:
   Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
