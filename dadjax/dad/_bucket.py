@@ -17,11 +17,13 @@ bucketed layer lets the train step do that:
    buffer per dtype, :func:`~dadjax.comm.metered_all_gather`); each site
    forms the exact ``(1/N) sum_s A_s^T D_s`` (and ``D``'s column sums for
    :class:`~dadjax.dad.Dense`'s bias).
-4. The kernels' gradients are mapped back onto the parameters they were
-   computed from (a dtype cast, :class:`~dadjax.dad.DotGeneral`'s
-   transpose and reshape of a ``DenseGeneral`` kernel) by the ``vjp`` of a
-   second trace of the forward pass that returns only the sown kernels;
-   XLA removes the rest of that trace as dead code.
+4. A kernel that *is* a parameter leaf (``nn.Dense``, :class:`~dadjax.dad.Dense`
+   without a dtype cast) takes its gradient directly. Any other kernel (a
+   dtype cast, :class:`~dadjax.dad.DotGeneral`'s transpose and reshape of a
+   ``DenseGeneral`` or attention kernel) is mapped back onto the parameters
+   it was computed from by the ``vjp`` of a second trace of the forward
+   pass that returns only those kernels; XLA removes the rest of that trace
+   as dead code.
 
 The gradient equals plain exact dAD's (the same products, summed in the same
 order up to float rounding) and the ledger books the one gather's payload,
@@ -46,6 +48,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any
 
@@ -147,6 +150,7 @@ def bucketed_gradient(objective, params, diff):
   ``aux["model_state"]["comm"]`` (module docstring).
   """
   with _recording() as configs:
+    # the probe's forward pass is dead code: only its shapes are read
     probe = _layers(_returned(objective(params, diff, {BUCKET_COLLECTION: {}})[1]))
   if not probe:  # no layer could join: every one took its own route
     (value, aux), (grads, diff_grads) = jax.value_and_grad(
@@ -156,12 +160,27 @@ def bucketed_gradient(objective, params, diff):
                  for path, entry in probe.items() for name, v in entry.items()
                  if name.startswith(SLOT)})
 
-  def traced(p, d, s):
+  # Which sown kernels and biases *are* parameter leaves (no cast or reshape in
+  # between): their gradient goes straight to the leaf; only the others need
+  # the pullback of a second forward trace.
+  param_leaves, param_def = jax.tree.flatten(params)
+  origin: dict[tuple, int] = {}
+
+  def traced(p, d, s, find_origin=False):
     with _recording():
-      return objective(p, d, {BUCKET_COLLECTION: s})
+      out = objective(p, d, {BUCKET_COLLECTION: s})
+    if find_origin:
+      index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(p))}
+      for path, entry in _layers(_returned(out[1])).items():
+        for kind in (KERNELS, BIASES):
+          for i, v in enumerate(entry.get(kind, ())):
+            if id(v) in index:
+              origin[(path, kind, i)] = index[id(v)]
+    return out
 
   (value, aux), (grads, diff_grads, deltas) = jax.value_and_grad(
-      traced, argnums=(0, 1, 2), has_aux=True)(params, diff, slots)
+      functools.partial(traced, find_origin=True), argnums=(0, 1, 2), has_aux=True)(
+          params, diff, slots)
   sown = _layers(_returned(aux))
   if set(sown) != set(probe):
     raise ValueError("dad bucket: the loss function must return the 'dad_bucket' collection "
@@ -170,14 +189,28 @@ def bucketed_gradient(objective, params, diff):
   deltas = traverse_util.flatten_dict(deltas)
   cotangents, traffic = _synchronized(sown, deltas, configs)
 
-  def kernels_of(p):
-    taken = _layers(_returned(traced(p, diff, slots)[1]))
-    return {"/".join(path): {k: taken[path][k] for k in (KERNELS, BIASES) if k in taken[path]}
-            for path in sown}
+  grad_leaves = param_def.flatten_up_to(grads)
+  computed = {}  # the rest: layer -> kind -> [(call, cotangent)]
+  for name, kinds in cotangents.items():
+    path = tuple(name.split("/"))
+    for kind, values in kinds.items():
+      for i, g in enumerate(values):
+        leaf = origin.get((path, kind, i))
+        if leaf is None:
+          computed.setdefault(name, {}).setdefault(kind, []).append((i, g))
+        else:
+          grad_leaves[leaf] = grad_leaves[leaf] + g
+  grads = param_def.unflatten(grad_leaves)
+  if computed:
+    def kernels_of(p):
+      taken = _layers(_returned(traced(p, diff, slots)[1]))
+      return {name: {kind: [taken[tuple(name.split("/"))][kind][i] for i, _ in calls]
+                     for kind, calls in kinds.items()} for name, kinds in computed.items()}
 
-  _, pullback = jax.vjp(kernels_of, params)
-  (from_kernels,) = pullback(cotangents)
-  grads = jax.tree.map(jnp.add, grads, from_kernels)
+    _, pullback = jax.vjp(kernels_of, params)
+    (from_kernels,) = pullback({name: {kind: [g for _, g in calls] for kind, calls in kinds.items()}
+                                for name, kinds in computed.items()})
+    grads = jax.tree.map(jnp.add, grads, from_kernels)
   aux = dict(aux)
   model_state = dict(aux[MODEL_STATE])
   comm = dict(model_state.get(COMM_COLLECTION) or {})
