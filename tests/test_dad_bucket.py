@@ -97,9 +97,10 @@ def test_bucket_equals_per_layer_dad_and_pooled_after_20_steps(backend):
   bucket, _ = _train("dad:bucket", _mixed, x, y, backend, 20)
   chex.assert_trees_all_close(unstack_site(bucket.params), unstack_site(plain.params),
                               atol=2e-5, rtol=2e-5)
-  pooled, _ = _train("local_dad", _mixed, x, y, backend, 20)  # all-reduce of every gradient
-  chex.assert_trees_all_close(unstack_site(bucket.params), unstack_site(pooled.params),
-                              atol=2e-5, rtol=2e-5)
+  if backend == "vmap":  # and the all-reduce of every gradient (per-layer dAD's own tests: both)
+    pooled, _ = _train("local_dad", _mixed, x, y, backend, 20)
+    chex.assert_trees_all_close(unstack_site(bucket.params), unstack_site(pooled.params),
+                                atol=2e-5, rtol=2e-5)
   # the ledger books the same payload: n (d_in + d_out) numbers per layer call
   assert (dadjax.comm_stats(bucket.opt_state).gather_bits
           == dadjax.comm_stats(plain.opt_state).gather_bits)
