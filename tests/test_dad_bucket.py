@@ -214,3 +214,22 @@ def test_bucket_spec():
   assert factory.options["bucket"] is True
   with pytest.raises(ValueError, match="bucket"):
     dad.get_method("rank_dad:2:bucket")
+
+
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_bucket_on_a_two_level_mesh_equals_per_layer_dad(shard_params):
+  # Sites of 4 devices each (rows split within a site; FSDP-sharded parameters):
+  # the bucket gathers over the site axis only, the step averages within the site.
+  x, y = _data((16, 4, 6))
+
+  def train(spec):
+    model, tx = _build(spec, _mixed)
+    step = dadjax.make_train_step(model, tx, mesh=dadjax.make_mesh(sites=2, per_site=4),
+                                  shard_params=shard_params)
+    state = step.init(jax.random.key(0), x[:2])
+    for _ in range(3):
+      state, _ = step(state, {"x": x, "y": y})
+    return state
+
+  chex.assert_trees_all_close(jax.device_get(train("dad:bucket").params),
+                              jax.device_get(train("dad").params), atol=2e-5, rtol=2e-5)
