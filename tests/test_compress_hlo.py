@@ -291,6 +291,7 @@ def test_resnet18_collectives_are_bucketed(spec, kind, most):
     *((s, True) for s in ("topk:0.1", "ef_topk:0.1", "qsgd:4:16", "qsgd:16", "terngrad",
                           "ef_terngrad", "sign", "powersgd:2", "ef_scaled_sign", "randomk:0.25",
                           "bf16")),
+    ("qsgd:16:noise=hash", True), ("terngrad:noise=hash", True),
     ("qsgd:16", False), ("terngrad", False)])  # all fp32: the sites' mean in one op
 def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, monkeypatch):
   # Bucketed collectives, the quantizers' one-buffer form (noise, rounding and packing of all

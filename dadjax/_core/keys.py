@@ -148,6 +148,37 @@ def hash_uniform(key: jax.Array, counter, n: int, dtype=jnp.float32) -> jax.Arra
   return ((h >> 9).astype(dtype) * 2 + 1) * (2.0 ** -23) - 1
 
 
+def hash_unit(key: jax.Array, n: int) -> jax.Array:
+  """``n`` uniform [0, 1) float32 numbers from ``key`` by a counter-based integer hash.
+
+  Entry ``i`` is ``mix(mix(i * phi + s1) ^ s2)`` (``mix``: murmur3's 32-bit
+  finalizer; ``s1``, ``s2``: the key's words hashed), whose 23 top bits make
+  the mantissa of a number in [1, 2), minus 1: the same grid as
+  ``jax.random.uniform``'s float32 draws, so rounding against it is unbiased
+  to within 2^-24. The stochastic rounding noise of ``qsgd(noise="hash")``
+  and ``terngrad(noise="hash")``: a few elementwise integer ops per entry
+  where threefry runs 20 rounds (on 2 CPU cores, 19.2M entries: about 9x
+  faster). Its statistics are tested (uniformity, independence across keys,
+  the compressors' unbiasedness and variance); it is not a cryptographic
+  generator.
+
+  Args:
+    key: a typed PRNG key (any implementation; its raw words seed the hash).
+    n: entries (static).
+
+  Returns:
+    (n,) float32.
+  """
+  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  s1 = jnp.uint32(0x9E3779B9)
+  for word in words:
+    s1 = _mix32(s1 ^ word)
+  s2 = _mix32(s1 ^ jnp.uint32(0x6A09E667))
+  h = _mix32(_mix32(jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + s1) ^ s2)
+  one = np.array(1.0, np.float32).view(np.uint32)
+  return jax.lax.bitcast_convert_type((h >> np.uint32(9)) | one, jnp.float32) - 1.0
+
+
 def _mix32(h: jax.Array) -> jax.Array:
   """murmur3's 32-bit finalizer (a bijection of uint32 with full avalanche)."""
   h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)

@@ -104,19 +104,25 @@ def whole_size(size: int) -> int:
   return size if shard is None else size * jax.lax.axis_size(shard.axes)
 
 
-def slice_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def _threefry_unit(key: jax.Array, n: int) -> jax.Array:
+  return jax.random.uniform(key, (n,))
+
+
+def slice_uniform(key: jax.Array, shape: tuple[int, ...], draw=None) -> jax.Array:
   """``uniform(key)`` noise of shape ``shape`` that is this slice of the whole leaf's noise.
 
-  Whole: ``uniform(key, (size,)).reshape(shape)``. Sliced: the same draw for
+  Whole: ``draw(key, size).reshape(shape)``. Sliced: the same draw for
   the whole leaf, cut to this device's slice, so every entry gets the
-  number it gets in the replicated layout.
+  number it gets in the replicated layout. ``draw(key, n) -> (n,)`` [0, 1)
+  floats; default ``jax.random.uniform``.
   """
+  draw = _threefry_unit if draw is None else draw
   shard = leaf_shard()
   if shard is None:
-    return jax.random.uniform(key, (math.prod(shape),)).reshape(shape)
+    return draw(key, math.prod(shape)).reshape(shape)
   n = jax.lax.axis_size(shard.axes)
   whole = tuple(s * n if i == shard.dim else s for i, s in enumerate(shape))
-  noise = jax.random.uniform(key, (math.prod(whole),)).reshape(whole)
+  noise = draw(key, math.prod(whole)).reshape(whole)
   start = jax.lax.axis_index(shard.axes) * shape[shard.dim]
   return jax.lax.dynamic_slice_in_dim(noise, start, shape[shard.dim], axis=shard.dim)
 
