@@ -129,10 +129,6 @@ def _layers(sown: Any) -> dict[tuple, dict]:
   return {path: entry for path, entry in out.items() if ROWS in entry}
 
 
-def _nest(flat: dict) -> dict:
-  return traverse_util.unflatten_dict(flat)
-
-
 def _returned(aux: Any) -> Any:
   if isinstance(aux, dict) and isinstance(aux.get(MODEL_STATE), dict):
     return aux[MODEL_STATE].get(BUCKET_COLLECTION)
@@ -156,14 +152,14 @@ def bucketed_gradient(objective, params, diff):
     (value, aux), (grads, diff_grads) = jax.value_and_grad(
         objective, argnums=(0, 1), has_aux=True)(params, diff)
     return value, aux, grads, diff_grads
-  slots = _nest({path + (name,): to_varying(jnp.zeros(v.shape, v.dtype), vma(v))
-                 for path, entry in probe.items() for name, v in entry.items()
-                 if name.startswith(SLOT)})
+  slots = traverse_util.unflatten_dict({
+      path + (name,): to_varying(jnp.zeros(v.shape, v.dtype), vma(v))
+      for path, entry in probe.items() for name, v in entry.items() if name.startswith(SLOT)})
 
   # Which sown kernels and biases *are* parameter leaves (no cast or reshape in
   # between): their gradient goes straight to the leaf; only the others need
   # the pullback of a second forward trace.
-  param_leaves, param_def = jax.tree.flatten(params)
+  param_def = jax.tree.structure(params)
   origin: dict[tuple, int] = {}
 
   def traced(p, d, s, find_origin=False):
@@ -191,25 +187,24 @@ def bucketed_gradient(objective, params, diff):
 
   grad_leaves = param_def.flatten_up_to(grads)
   computed = {}  # the rest: layer -> kind -> [(call, cotangent)]
-  for name, kinds in cotangents.items():
-    path = tuple(name.split("/"))
+  for path, kinds in cotangents.items():
     for kind, values in kinds.items():
       for i, g in enumerate(values):
         leaf = origin.get((path, kind, i))
         if leaf is None:
-          computed.setdefault(name, {}).setdefault(kind, []).append((i, g))
+          computed.setdefault(path, {}).setdefault(kind, []).append((i, g))
         else:
           grad_leaves[leaf] = grad_leaves[leaf] + g
   grads = param_def.unflatten(grad_leaves)
   if computed:
     def kernels_of(p):
       taken = _layers(_returned(traced(p, diff, slots)[1]))
-      return {name: {kind: [taken[tuple(name.split("/"))][kind][i] for i, _ in calls]
-                     for kind, calls in kinds.items()} for name, kinds in computed.items()}
+      return {path: {kind: [taken[path][kind][i] for i, _ in calls]
+                     for kind, calls in kinds.items()} for path, kinds in computed.items()}
 
     _, pullback = jax.vjp(kernels_of, params)
-    (from_kernels,) = pullback({name: {kind: [g for _, g in calls] for kind, calls in kinds.items()}
-                                for name, kinds in computed.items()})
+    (from_kernels,) = pullback({path: {kind: [g for _, g in calls] for kind, calls in kinds.items()}
+                                for path, kinds in computed.items()})
     grads = jax.tree.map(jnp.add, grads, from_kernels)
   aux = dict(aux)
   model_state = dict(aux[MODEL_STATE])
@@ -227,7 +222,7 @@ def bucketed_gradient(objective, params, diff):
 
 
 def _synchronized(sown: dict, deltas: dict, configs: dict):
-  """``({layer: {"kernels": (G, ...), "biases": (...)}}, traffic)``: one gather per group.
+  """``({layer path: {"kernels": (G, ...), "biases": (...)}}, traffic)``: one gather per group.
 
   Layers are grouped by site axis and by whether their kernel is typed
   invariant (a replicated ``P()`` parameter under ``shard_map``: JAX sums the
@@ -242,13 +237,12 @@ def _synchronized(sown: dict, deltas: dict, configs: dict):
                  and any(is_varying(v, config.axis_name) for v in entry[ROWS])
                  and not is_varying(kernel, config.axis_name))
     calls = [(a, deltas[path + (f"{SLOT}{i}",)]) for i, a in enumerate(entry[ROWS])]
-    groups.setdefault((config.axis_name, invariant), {})["/".join(path)] = calls
+    groups.setdefault((config.axis_name, invariant), {})[path] = calls
   cotangents, sent = {}, []
   for (axis, invariant), payload in groups.items():
     gathered, traffic = metered_all_gather(payload, axis, invariant=invariant, bucket=True)
     sent.append(traffic)
-    for name, calls in gathered.items():
-      path = tuple(name.split("/"))
+    for path, calls in gathered.items():
       entry, config = sown[path], configs[path]
       typed = any(is_varying(v, axis) for v in jax.tree.leaves(entry[ROWS]))
       scale = 1.0 if invariant else 1.0 / calls[0][0].shape[0]
@@ -264,7 +258,7 @@ def _synchronized(sown: dict, deltas: dict, configs: dict):
           gb, t = match_type(gb.astype(entry[BIASES][i].dtype), entry[BIASES][i], axis, typed)
           out.setdefault(BIASES, []).append(gb)
           sent.append(t)
-      cotangents[name] = {k: tuple(v) for k, v in out.items()}
+      cotangents[path] = {k: tuple(v) for k, v in out.items()}
   return cotangents, traffic_add(*sent)
 
 
