@@ -104,7 +104,8 @@ def whole_size(size: int) -> int:
   return size if shard is None else size * jax.lax.axis_size(shard.axes)
 
 
-def _threefry_unit(key: jax.Array, n: int) -> jax.Array:
+def threefry_unit(key: jax.Array, n: int) -> jax.Array:
+  """``n`` uniform [0, 1) floats of ``jax.random.uniform`` (the default rounding noise)."""
   return jax.random.uniform(key, (n,))
 
 
@@ -116,7 +117,7 @@ def slice_uniform(key: jax.Array, shape: tuple[int, ...], draw=None) -> jax.Arra
   number it gets in the replicated layout. ``draw(key, n) -> (n,)`` [0, 1)
   floats; default ``jax.random.uniform``.
   """
-  draw = _threefry_unit if draw is None else draw
+  draw = threefry_unit if draw is None else draw
   shard = leaf_shard()
   if shard is None:
     return draw(key, math.prod(shape)).reshape(shape)

@@ -17,7 +17,7 @@ import numpy as np
 from dadjax._core.keys import hash_unit
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import safe_norm
-from dadjax._core.shards import leaf_shard, slice_uniform, whole_max, whole_size, whole_sum
+from dadjax._core.shards import leaf_shard, slice_uniform, threefry_unit, whole_max, whole_size, whole_sum
 import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, leafwise
 from dadjax._core.packing import code_bits, pack_bits, unpack_bits
@@ -60,7 +60,7 @@ def _noise_draw(noise: str):
   """``draw(key, n) -> (n,)`` uniform [0, 1) rounding noise of the named source."""
   if noise not in NOISES:
     raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
-  return (lambda key, n: jax.random.uniform(key, (n,))) if noise == "threefry" else hash_unit
+  return threefry_unit if noise == "threefry" else hash_unit
 
 
 def _segment_noise(noise: str, keys: jax.Array, lay) -> jax.Array:
