@@ -6,13 +6,15 @@ features per row), 8 sites, iid split, SGD with momentum, the same
 initialization and batches for every method. Every method is trained with
 ``--seeds`` seeds; reported (mean +- std over seeds):
 
-* the final test accuracy and the wire bits each site puts on a 1-link ring
-  per step (:class:`dadjax.NetworkModel`, bandwidth term only: an
-  all-reduce payload of B bits costs 2 (N-1)/N B, an all-gather payload
-  (N-1) B: data quantization and dAD all-gather, the gradient compressors
-  all-reduce);
-* the wire bits per site until the test accuracy first reaches
-  ``--target`` (evaluated every ``--eval-every`` steps);
+* the final test accuracy and the wire bits each site puts on a ring per
+  step (an all-reduce payload of B bits costs 2 (N-1)/N B, an all-gather
+  payload (N-1) B: data quantization and dAD all-gather, the gradient
+  compressors all-reduce), and the modeled communication time per step
+  (:class:`dadjax.NetworkModel`, ``--bandwidth`` bit/s, ``--latency`` s per
+  message);
+* the wire bits per site and the modeled communication seconds until the
+  test accuracy first reaches ``--target`` (evaluated every
+  ``--eval-every`` steps);
 * the compute cost: rows through a backward pass per site per step
   (data quantization runs the shared backward pass on all ``N R`` rows).
 
@@ -54,6 +56,7 @@ import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import
 QUICK = False  # --quick: the workloads at their quick sizes
 PARTITION: dict = {}  # --partition non_iid: the workload's non-IID split
 SITES, ROWS = 8, 16
+BANDWIDTH, LATENCY = 1e9, 50e-6  # the modeled link: --bandwidth (bit/s), --latency (s/message)
 
 MODELS = {
     "mlp": ("mlp", {"hidden": [512, 512]}),  # 300k parameters on 64 features
@@ -93,29 +96,29 @@ def config_for(model: str, spec: str, seed: int, steps: int, eval_every: int,
   if model in workloads.WORKLOADS:  # a real workload (Fashion-MNIST), --workload
     wl = workloads.get(model)
     return wl.config(QUICK, method=spec, seed=seed, steps=steps, eval_every=eval_every,
-                     bandwidth=1.0, latency=0.0, **PARTITION)
+                     bandwidth=BANDWIDTH, latency=LATENCY, **PARTITION)
   name, kwargs = MODELS[model]
   if width is not None:
     kwargs = {"hidden": [width, width]}
   return Config(model=name, model_kwargs=kwargs, method=spec, num_sites=SITES, backend="vmap",
                 batch_per_site=ROWS, steps=steps, eval_every=eval_every, seed=seed,
-                lr=METHODS.get(spec, 0.1), bandwidth=1.0, latency=0.0)
+                lr=METHODS.get(spec, 0.1), bandwidth=BANDWIDTH, latency=LATENCY)
 
 
-def wire_rows(history: list[dict]) -> list[tuple[int, float, float]]:
-  """(step, test accuracy, cumulative wire bits per site) of each logged row.
-
-  With ``bandwidth=1`` and ``latency=0`` the modeled time *is* the ring's
-  wire bits per site.
-  """
-  return [(r["step"], r["test_accuracy"], r["modeled_comm_s"]) for r in history]
+def wire_rows(history: list[dict]) -> list[tuple[int, float, float, float]]:
+  """(step, test accuracy, cumulative wire bits per site, cumulative modeled comm seconds) of
+  each logged row."""
+  return [(r["step"], r["test_accuracy"], r["total_wire_bits"], r["modeled_comm_s"])
+          for r in history]
 
 
-def bits_to_target(history, target: float) -> float:
-  for _, acc, bits in wire_rows(history):
+def to_target(history, target: float) -> tuple[float, float]:
+  """(cumulative wire bits per site, modeled comm seconds) at the first evaluation whose test
+  accuracy reaches ``target``; NaNs when none does."""
+  for _, acc, bits, seconds in wire_rows(history):
     if acc >= target:
-      return bits
-  return float("nan")
+      return bits, seconds
+  return float("nan"), float("nan")
 
 
 def run_method(model, spec, seeds, steps, eval_every):
@@ -144,21 +147,23 @@ def task_table(model, results, target) -> tuple[str, dict]:
   else:
     what = f"{MODELS[model][1]}, {SITES} sites x {ROWS} rows"
   lines = [f"### {model}: {what}, target test accuracy {target}", "",
-           "| method | test acc | wire bits/step/site | wire bits to target | "
-           "backward rows/step/site | wall s/run |",
-           "|---|---|---|---|---|---|"]
-  to_target = {}
+           "| method | test acc | wire bits/step/site | modeled comm ms/step | wire bits to target | "
+           "modeled comm s to target | backward rows/step/site | wall s/run |",
+           "|---|---|---|---|---|---|---|---|"]
+  bits_to_target = {}
   for spec, runs in results.items():
     finals = [r.final for r, _ in runs]
     acc = [f["test_accuracy"] for f in finals]
-    per_step = [f["modeled_comm_s"] / f["step"] for f in finals]
-    reach = [bits_to_target(r.history, target) for r, _ in runs]
-    to_target[spec] = reach
+    per_step = [f["total_wire_bits"] / f["step"] for f in finals]
+    ms_per_step = [1e3 * f["modeled_comm_s"] / f["step"] for f in finals]
+    reach = [to_target(r.history, target) for r, _ in runs]
+    bits_to_target[spec] = [bits for bits, _ in reach]
     rows = [f.get("backward_rows_per_step", ROWS) for f in finals]
     lines.append(f"| {spec} | {np.mean(acc):.3f} ± {np.std(acc):.3f} | {np.mean(per_step):,.0f} | "
-                 f"{mean_std(reach)} | {int(np.max(rows))} | "
+                 f"{np.mean(ms_per_step):.3g} | {mean_std(bits_to_target[spec])} | "
+                 f"{mean_std([seconds for _, seconds in reach])} | {int(np.max(rows))} | "
                  f"{np.mean([t for _, t in runs]):.1f} |")
-  return "\n".join(lines), to_target
+  return "\n".join(lines), bits_to_target
 
 
 def verdict(model, to_target) -> str:
@@ -188,7 +193,7 @@ def width_sweep(widths, steps=1) -> tuple[str, dict]:
     bits = []
     for w in widths:
       run = train(config_for("mlp", spec, 0, steps, steps, width=w), progress=False)
-      bits.append(run.final["modeled_comm_s"] / run.final["step"])
+      bits.append(run.final["total_wire_bits"] / run.final["step"])
     sweep[spec] = bits
     lines.append(f"| {spec} | " + " | ".join(f"{b:,.0f}" for b in bits) + " |")
   return "\n".join(lines), sweep
@@ -202,8 +207,8 @@ def plot(curves, sweep, widths, path) -> None:
   colors = plt.cm.tab20.colors
   for ax, (model, results) in zip(axes, curves.items()):
     for i, (spec, runs) in enumerate(results.items()):
-      rows = np.asarray([[a for _, a, _ in wire_rows(r.history)] for r, _ in runs])
-      bits = np.asarray([b for _, _, b in wire_rows(runs[0][0].history)])
+      rows = np.asarray([[a for _, a, _, _ in wire_rows(r.history)] for r, _ in runs])
+      bits = np.asarray([b for _, _, b, _ in wire_rows(runs[0][0].history)])
       ax.plot(bits, rows.mean(0), marker="os^v"[i % 4], ms=3, color=colors[i % len(colors)],
               label=spec)
     ax.set_xscale("log")
@@ -226,6 +231,7 @@ def plot(curves, sweep, widths, path) -> None:
 
 
 def main(argv=None) -> int:
+  global QUICK, PARTITION, BANDWIDTH, LATENCY  # pylint: disable=global-statement
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--methods", default=",".join(METHODS))
@@ -244,9 +250,13 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
   parser.add_argument("--partition", default="iid", help="workload partition: iid or non_iid")
   parser.add_argument("--name", default="dataquant", help="output file stem")
+  parser.add_argument("--bandwidth", type=float, default=BANDWIDTH,
+                      help="modeled link bandwidth, bit/s (default 1e9)")
+  parser.add_argument("--latency", type=float, default=LATENCY,
+                      help="modeled latency per message, s (default 50e-6)")
   args = parser.parse_args(argv)
-  global QUICK, PARTITION  # pylint: disable=global-statement
   QUICK = args.quick
+  BANDWIDTH, LATENCY = args.bandwidth, args.latency
   if args.workload:
     for name in args.workload.split(","):
       wl = workloads.get(name)
@@ -297,7 +307,8 @@ def main(argv=None) -> int:
       "### Against the target (>= 10x fewer wire bits than the best gradient compressor)",
       "\n".join(verdicts),
       sweep_table,
-      NOTES + (f"\n- Not run (not registered in this build): {', '.join(skipped)}."
+      NOTES.format(bandwidth=BANDWIDTH, latency=LATENCY, latency_per=latency_per(curves))
+      + (f"\n- Not run (not registered in this build): {', '.join(skipped)}."
                if skipped else ""),
   ])
   (out / f"{args.name}.md").write_text(text + "\n")
@@ -305,10 +316,17 @@ def main(argv=None) -> int:
   return 0
 
 
+def latency_per(curves) -> str:
+  """How the runs' reports charged latency: per compiled op or per recorded call."""
+  kinds = {r.final.get("latency_per", "recorded call") for results in curves.values()
+           for runs in results.values() for r, _ in runs}
+  return " / ".join(sorted(kinds)) or "recorded call"
+
+
 NOTES = """Notes.
-- Wire bits are `dadjax.NetworkModel` (ring, bandwidth term, `bandwidth=1`, `latency=0`) applied
-  to the train state's ledgers (`dadjax.comm_stats`): per site, all-reduce payloads cost
-  2 (N-1)/N B and all-gather payloads (N-1) B. Data quantization and dAD all-gather, so each of
+- Wire bits are the train state's ledgers (`dadjax.comm_stats`) on a ring of N sites
+  (`dadjax.comm.report`): per site, all-reduce payloads cost 2 (N-1)/N B and all-gather
+  payloads (N-1) B. Data quantization and dAD all-gather, so each of
   their payload bits costs N/2 = 4 times more on the wire than an all-reduced bit. For a gated
   stage the ledger holds the padded payload the compiled all-gather moves; the rows actually sent
   (`useful_bits_per_step` in the metrics rows) are fewer.
@@ -316,9 +334,12 @@ NOTES = """Notes.
 - Compute: data quantization runs the shared backward pass on all N R = 128 rows on every site
   (8x the rows of the other methods), plus 2 R for a correction step; that is the price of its
   bits. `backward rows/step/site` is the last step's count.
-- Wire bits to target: the cumulative wire bits per site at the first evaluation (every
-  `--eval-every` steps) whose test accuracy reaches the target; the mean is over the seeds that
-  reached it."""
+- Modeled comm time: `dadjax.NetworkModel` at {bandwidth:g} bit/s and {latency:g} s per message
+  (ring; latency per {latency_per}), communication only: data quantization's 8x compute is not
+  in it.
+- Wire bits (modeled comm s) to target: the cumulative wire bits per site (modeled seconds) at
+  the first evaluation (every `--eval-every` steps) whose test accuracy reaches the target; the
+  mean is over the seeds that reached it."""
 
 
 if __name__ == "__main__":

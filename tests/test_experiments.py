@@ -147,6 +147,11 @@ def test_dataquant_workload_quick(tmp_path):
         "--widths", "none", "--out", str(tmp_path)], tmp_path)
   text = (tmp_path / "dataquant.md").read_text()
   assert "### fashion_mlp: Fashion-MNIST" in text and "| dataquant:2:classes=10 |" in text
+  assert "| modeled comm s to target |" in text
+  # The all-reduce row's wire bits per step are the quick MLP's fp32 all-reduce on a ring of 8:
+  # 269,322 parameters x 32 bits x 1.75, plus the metrics' pmean (2 fp32 scalars).
+  row = next(line for line in text.splitlines() if line.startswith("| allreduce |"))
+  assert row.split("|")[3].strip() == f"{round((269_322 * 32 + 2 * 32) * 1.75):,}"
 
 
 @pytest.mark.slow
