@@ -166,14 +166,14 @@ def task_table(model, results, target) -> tuple[str, dict]:
   return "\n".join(lines), bits_to_target
 
 
-def verdict(model, to_target) -> str:
+def verdict(model, bits_to_target) -> str:
   def best(specs):
-    scored = [(np.nanmean(to_target[s]), s) for s in specs if s in to_target
-              and not np.all(np.isnan(to_target[s]))]
+    scored = [(np.nanmean(bits_to_target[s]), s) for s in specs if s in bits_to_target
+              and not np.all(np.isnan(bits_to_target[s]))]
     return min(scored) if scored else None
 
   grad = best([s for s in GRADIENT_COMPRESSORS])
-  data = best([s for s in to_target if s.startswith("dataquant")])
+  data = best([s for s in bits_to_target if s.startswith("dataquant")])
   if grad is None or data is None:
     return f"- {model}: target not reached by " + (
         "any gradient compressor" if grad is None else "any data quantization") + "."
@@ -287,11 +287,11 @@ def main(argv=None) -> int:
     for spec in methods:
       print(f"{model}: {spec}", flush=True)
       results[spec] = run_method(model, spec, seeds, args.steps, args.eval_every)
-    table, to_target = task_table(model, results, args.target)
+    table, bits_to_target = task_table(model, results, args.target)
     print(table, flush=True)
     sections.append(table)
     curves[model] = results
-    verdicts.append(verdict(model, to_target))
+    verdicts.append(verdict(model, bits_to_target))
   sweep_table, sweep = width_sweep(widths) if widths else ("(Width sweep not run.)", {})
   print(sweep_table, flush=True)
   plot(curves, sweep, widths, out / f"{args.name}.png")
@@ -318,9 +318,9 @@ def main(argv=None) -> int:
 
 def latency_per(curves) -> str:
   """How the runs' reports charged latency: per compiled op or per recorded call."""
-  kinds = {r.final.get("latency_per", "recorded call") for results in curves.values()
+  kinds = {r.final["latency_per"] for results in curves.values()
            for runs in results.values() for r, _ in runs}
-  return " / ".join(sorted(kinds)) or "recorded call"
+  return " / ".join(sorted(kinds))
 
 
 NOTES = """Notes.
