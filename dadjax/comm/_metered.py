@@ -87,7 +87,8 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
     groups.setdefault((jnp.result_type(x), vma(x)), []).append(i)
   out = [None] * len(leaves)
   for idx in groups.values():
-    buffer = collective(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))
+    whole = whole_in_site if stacked else (lambda x: x)
+    buffer = whole(collective(jnp.concatenate([whole(jnp.ravel(leaves[i])) for i in idx])))
     start = 0
     for i in idx:
       size, shape = leaves[i].size, jnp.shape(leaves[i])
@@ -95,6 +96,19 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
       out[i] = part.reshape(buffer.shape[:1] + shape if stacked else shape)
       start += size
   return jax.tree.unflatten(treedef, out)
+
+
+def whole_in_site(x: jax.Array) -> jax.Array:
+  """``x`` whole on every device of a site whose in-site axes are GSPMD's (else unchanged).
+
+  An all-gather's buffer that concatenates leaves sharded differently inside
+  a site has no sharding XLA's SPMD partitioner can split (it aborts), and a
+  gathered payload is small (compressed), so it travels whole.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not getattr(mesh, "auto_axes", ()) or not getattr(mesh, "manual_axes", ()):
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def metered_psum(tree: Any, axis_name: str | None, *,

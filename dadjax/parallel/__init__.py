@@ -19,7 +19,7 @@ from dadjax.parallel._losses import (
 from dadjax._core.collections import CollectionRule, register_rule
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
-from dadjax.parallel._insite import shard_dims
+from dadjax.parallel._layout import layer_axes_of, shard_dims
 from dadjax.parallel._losses import softmax_cross_entropy
 from dadjax.parallel._make import make_train_step
 from dadjax.parallel._mesh import initialize, make_mesh
@@ -30,6 +30,7 @@ from dadjax.parallel._step import TrainStep
 __all__ = [
     "make_train_step",
     "shard_dims",
+    "layer_axes_of",
     "TrainStep",
     "TrainState",
     "BACKENDS",

@@ -9,45 +9,22 @@ the collective over ``axis_name``), apply the update. A placement
 ``"pmap"``, ``"shard_map"``) runs that program on every site. Keys:
 :mod:`dadjax.parallel._state`; collections: :mod:`dadjax.parallel._gradient`.
 
-Sites of several devices (2-D mesh, e.g. axes ``("data", "replica")``): the
-global batch is split site-major over ``axis_name`` and each site's rows
-again over the in-site axes (rows ``[i b, (i+1) b)`` are site ``i``'s; each
-of its ``per_site`` devices takes ``b / per_site`` of them). The state keeps
-one copy per site, replicated over the in-site axes. Each device computes
-the gradient of its rows; the gradients, the collections updated by a rule
-(``mutable`` ones, ``"dad_state"``) and the metrics are averaged exactly over
-the in-site axes with one metered ``pmean`` each (booked in
-``TrainState.intra_comm``, an :class:`~dadjax.comm.IntraSiteStats`, reported
-as ``intra_*`` by :func:`~dadjax.comm_stats`); then the method runs over
-``axis_name`` only, identically on every device of the site. Optimizer-side
-methods (allreduce, every compressor) therefore see exactly the site's
-averaged gradient and train like a 1-D mesh with the same sites and the same
-ledger. dAD layers gather ``A`` and ``D`` over ``axis_name`` only, per
-device, and the in-site ``pmean`` of the resulting gradients then sums all
-rows exactly, so exact dAD equals pooled training; its inter-site payload
-per device is ``b / per_site`` rows. rank-dAD factorizes each device's rows
-(not the site's), so it is not the 1-D run's factorization. A batch stage
-whose state depends on the device's rows is refused.
-
-Sharded parameters (``shard_params=True``, 2-D mesh): each parameter is
-split along :func:`~dadjax.parallel.shard_dims`'s dimension over the in-site
-axes (:meth:`TrainStep.state_specs`), and so are the optimizer-state leaves
-that mirror it. Each step all-gathers the slices within the site for the
-forward pass and reduce-scatters the gradients back (both booked in
-``TrainState.intra_comm``), so every device holds a slice of the site's
-exact mean gradient, and the method then exchanges *its slice* over the site
-axis. Supported, and equal to the replicated layout: ``allreduce``,
-``identity`` / ``cast`` / ``bf16`` / ``fp16``, ``sign``, ``scaled_sign``,
-``terngrad``, ``qsgd`` without ``bucket_size``, ``ef(...)`` of these, dAD and
-rank-dAD layers, and elementwise optax optimizers (sgd, momentum, adam,
-adamw). Methods that need a whole tensor (TopK's and RandomK's selections,
-QSGD's buckets, PowerSGD's matrices, Accordion) raise a ``ValueError``
-naming the method when the step is first traced; a batch stage is refused.
-Optax transformations that reduce over a whole tensor or tree
-(``clip_by_global_norm``, LAMB's trust ratio, Adafactor's factored moments)
-would see only the device's slice: the step refuses those optax exposes
-(:data:`~dadjax.parallel._checks.WHOLE_TENSOR`, found by the names of their
-update functions); leave out any other such transformation.
+Sites of several devices (a mesh with axes besides ``axis_name``, e.g.
+``make_mesh(sites=2, per_site=4)`` or ``make_mesh(sites=2, inner={"fsdp": 2,
+"model": 2})``): the program is manual over ``axis_name`` only and every
+other axis is GSPMD's (:class:`~dadjax.parallel.Mesh`). The global batch is
+split site-major over ``axis_name`` and each site's rows again over
+``batch_axes`` (default: every in-site axis). Parameters keep the sharding
+the model declares (``nn.with_partitioning``, ``nn.with_logical_partitioning``
+with ``rules``, NNX sharding metadata), or ``param_specs``, or FSDP with
+``shard_params=True`` (:mod:`dadjax.parallel._layout`); optimizer-state
+leaves that mirror a parameter follow it. The site program sees the site's
+whole (logical) arrays, so every method trains a sharded model exactly as
+it trains the replicated one on a 1-D mesh of the same sites (up to float
+reduction order), and the ledger books per site what crosses the site axis.
+The in-site collectives XLA inserts are read from the compiled program
+(:meth:`TrainStep.collectives` with ``link="intra"``; ``comm.report`` with
+``step=`` and ``batch=`` reports them as ``intra_*``).
 """
 
 from __future__ import annotations
@@ -60,7 +37,6 @@ import optax
 
 from dadjax._core.collections import CollectionRule, resolve_rules
 from dadjax.comm import COMM_COLLECTION
-from dadjax.parallel._checks import check_sharded_tx
 from dadjax.parallel._gradient import _split_aux
 from dadjax.parallel._losses import LossFn, MetricsFn, classification_loss, default_metrics
 from dadjax.parallel._placement import placement_of
@@ -114,6 +90,9 @@ def make_train_step(
     backend: Any = "shard_map",
     mesh=None,
     shard_params: bool = False,
+    param_specs: Any = None,
+    rules: Any = None,
+    batch_axes: Sequence[str] | None = None,
     donate: bool = False,
     collections: Mapping[str, CollectionRule] | None = None,
     allow_local: bool = False,
@@ -154,8 +133,15 @@ def make_train_step(
     mesh: the shard_map mesh (default: :func:`make_mesh`, 1-D); a mesh with
       more axes than ``axis_name`` makes each site a group of devices (module
       docstring). ``pmap`` and ``vmap`` run one device per site.
-    shard_params: on a 2-D mesh, split each site's parameters and their
-      optimizer state over the site's devices (module docstring).
+    shard_params: on a mesh with in-site axes, FSDP for the parameters
+      that declare no sharding (module docstring).
+    param_specs: in-site ``PartitionSpec`` of each parameter (a tree, a
+      prefix of one, or ``params -> specs``); ``None``: the model's metadata.
+    rules: logical axis rules (``(name, mesh axes)`` pairs) for logically
+      partitioned parameters and activations; ``None``: the active
+      ``nn.logical_axis_rules``.
+    batch_axes: the in-site axes a site's rows are split over (default:
+      all of them).
     donate: donate the input state's buffers to the output.
     collections: ``{name: CollectionRule}`` adding to or overriding the
       registered rules (:mod:`dadjax._core.collections`) for this step.
@@ -174,17 +160,15 @@ def make_train_step(
   sites, a communicating transformation after a per-site stateful one, a
   model that communicates in its backward pass (dAD layers) without a
   transformation booking it, a collective on an axis the step does not
-  have, and ``shard_params=True`` with optax transformations that reduce
-  over whole tensors (``clip_by_global_norm``, LAMB's trust ratio,
-  Adafactor).
+  have.
 
   Returns:
     A :class:`TrainStep`.
 
   Raises:
     ValueError: for an unknown backend, a bad ``num_sites``, an axis not in
-      the mesh, a mesh with ``pmap`` / ``vmap``, ``shard_params`` without a
-      2-D mesh or with a batch stage, or ``mutable`` / ``average`` naming
+      the mesh, a mesh with ``pmap`` / ``vmap``, ``shard_params`` without
+      in-site axes, ``batch_axes`` not in-site axes, or ``mutable`` / ``average`` naming
       ``"params"``, ``"comm"`` or a differentiated collection (``average``
       must be a subset of ``mutable``).
   """
@@ -195,12 +179,9 @@ def make_train_step(
   average = _check_names("average", average, reserved, mutable)
   if batch_stage is not None and not isinstance(batch_stage, BatchStage):
     raise ValueError(f"batch_stage must be a dadjax.stage.BatchStage or None, got {batch_stage!r}")
-  placement = placement_of(backend, num_sites, mesh, shard_params, axis_name)
-  if placement.shard_params and batch_stage is not None:
-    raise ValueError("shard_params=True does not support a batch_stage (its gradient "
-                     "correction and gate need whole gradients); use shard_params=False")
-  if placement.shard_params:
-    check_sharded_tx(tx)
+  placement = placement_of(backend, num_sites, mesh, shard_params, axis_name,
+                           param_specs=param_specs, rules=rules,
+                           batch_axes=None if batch_axes is None else tuple(batch_axes))
   for name, flag in (("allow_local", allow_local), ("check_ledger", check_ledger)):
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}")

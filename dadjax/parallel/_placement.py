@@ -6,15 +6,17 @@ A placement is one of
   ``jax.vmap(..., axis_name=...)`` (collectives work under vmap), for
   studying 16 or 64 sites on a laptop or a single GPU;
 * :class:`Pmap` ``(n)``: ``jax.pmap`` over ``n`` local devices;
-* :class:`Mesh` ``(mesh, shard_params=...)``: ``jax.shard_map`` over a mesh
-  (one or many hosts); a mesh with axes besides the site axis makes each
-  site a group of devices (the in-site reduction of
-  :class:`~dadjax.parallel._insite.InSite`), and ``shard_params`` splits each
-  site's parameters over them.
+* :class:`Mesh` ``(mesh, ...)``: ``jax.shard_map`` over a mesh (one or
+  many hosts), manual over the site axis only; a mesh with axes besides the
+  site axis makes each site a group of devices whose sharding (FSDP, tensor
+  parallelism) is GSPMD's (:mod:`dadjax.parallel._layout` says where each
+  parameter lives).
 
 Layout: every array of the train state carries a leading site axis of size
 ``num_sites`` (the layout ``pmap`` uses). Under ``shard_map`` the site axis
-is sharded over the mesh, so each device holds exactly its own site's copy.
+is sharded over the mesh, so each device holds exactly its own site's copy
+(of its share of the site's parameters: a replicated leaf costs a device no
+more than in a layout without the site axis).
 The batch is global, site-major: every leaf has a leading row axis and rows
 ``[i * b, (i + 1) * b)`` belong to site ``i``. A process may hand over only
 the rows of some sites (those of its devices, :mod:`dadjax.parallel._rows`):
@@ -23,6 +25,7 @@ the rows of some sites (those of its devices, :mod:`dadjax.parallel._rows`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -31,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax.parallel._insite import InSite, sharded_layout
+from dadjax.parallel._layout import mirror_specs, param_layout, strip_site_axis
 from dadjax.parallel._mesh import make_mesh
 from dadjax.parallel._rows import global_order, put_site_rows
+from dadjax.parallel._state import unstack_shapes
 
 BACKENDS = ("shard_map", "pmap", "vmap")
-# site program factory: InSite -> (state, batch) -> (state, metrics)
-Build = Callable[[InSite], Callable]
+# site program factory: () -> (state, batch) -> (state, metrics)
+Build = Callable[[], Callable]
 
 
 def _check_sites(name: str, num_sites: Any) -> int:
@@ -61,8 +65,9 @@ class Vmap:
   backend = "vmap"
   mesh = None
   shard_params = False
-  in_site = InSite()
+  inner = ()
   per_site = 1
+  rows_per_site_unit = 1
 
   def resolved(self, axis_name: str) -> "Vmap":
     """This placement for the step's axis, its arguments checked."""
@@ -70,8 +75,8 @@ class Vmap:
     return dataclasses.replace(self, axis_name=axis_name)
 
   def compile(self, build: Build, donate: bool):
-    """The jitted step running ``build(InSite())`` on every site."""
-    return jax.jit(jax.vmap(build(self.in_site), axis_name=self.axis_name),
+    """The jitted step running ``build()`` on every site."""
+    return jax.jit(jax.vmap(build(), axis_name=self.axis_name),
                    donate_argnums=(0,) if donate else ())
 
   def place(self, tree: Any) -> Any:
@@ -112,7 +117,7 @@ class Pmap(Vmap):
     return dataclasses.replace(self, num_sites=n, axis_name=axis_name)
 
   def compile(self, build: Build, donate: bool):
-    return jax.pmap(build(self.in_site), axis_name=self.axis_name,
+    return jax.pmap(build(), axis_name=self.axis_name,
                     donate_argnums=(0,) if donate else ())
 
   def place(self, tree: Any) -> Any:
@@ -128,20 +133,44 @@ class Pmap(Vmap):
 class Mesh:
   """``jax.shard_map`` over a mesh whose ``axis_name`` axis runs over the sites.
 
+  The site program is manual over the site axis only (a partially manual
+  ``shard_map(..., axis_names={axis_name})``); every other mesh axis is
+  GSPMD's. A site of several devices therefore keeps the sharding its model
+  declares (:mod:`dadjax.parallel._layout`: FSDP, tensor parallelism, both),
+  its batch rows are split over ``batch_axes``, and XLA inserts the in-site
+  collectives; the methods see each site's whole (logical) tensors and
+  communicate over the site axis.
+
   Attributes:
     mesh: a ``jax.sharding.Mesh``; ``None``: :func:`~dadjax.parallel.make_mesh`
       over ``num_sites`` devices (all devices when ``None``).
-    shard_params: split each site's parameters and their optimizer state
-      over the site's devices (needs a 2-D mesh).
+    shard_params: FSDP for parameters that declare no sharding: each is
+      split along :func:`~dadjax.parallel.shard_dims`'s dimension over every
+      in-site axis (needs a mesh with in-site axes).
     num_sites: with ``mesh=None``, the number of sites; with a mesh it must
       be ``None`` or the site axis's size.
     axis_name: the site axis (set by ``make_train_step``).
+    param_specs: in-site ``PartitionSpec`` per parameter: a tree (prefix) or
+      ``params -> specs``; ``None``: the model's metadata (module
+      :mod:`~dadjax.parallel._layout`).
+    rules: logical axis rules (``(logical name, mesh axes)`` pairs) for
+      ``nn.with_logical_partitioning`` parameters and
+      ``nn.with_logical_constraint`` activations; ``None``: the
+      ``nn.logical_axis_rules`` context active when the step is built. The
+      site axis is removed from them inside the site program.
+    batch_axes: the in-site axes a site's rows are split over; ``None``:
+      every in-site axis.
   """
 
   mesh: Any = None
   shard_params: bool = False
   num_sites: int | None = None
   axis_name: str = "data"
+  param_specs: Any = None
+  rules: Any = None
+  batch_axes: tuple[str, ...] | None = None
+  # the in-site specs of the parameters recorded by TrainStep.init (from the model's metadata)
+  recorded: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   backend = "shard_map"
 
@@ -155,11 +184,21 @@ class Mesh:
                        f"size {size}; leave num_sites=None with a mesh")
     if not isinstance(self.shard_params, bool):
       raise ValueError(f"shard_params must be a bool, got {self.shard_params!r}")
-    placed = dataclasses.replace(self, mesh=mesh, num_sites=size, axis_name=axis_name)
+    rules = self.rules
+    if rules is None:
+      import flax.linen as nn  # pylint: disable=g-import-not-at-top
+      rules = tuple(nn.get_logical_axis_rules()) or None
+    placed = dataclasses.replace(self, mesh=mesh, num_sites=size, axis_name=axis_name,
+                                 rules=rules, recorded={})
     if self.shard_params and not placed.inner:
       raise ValueError("shard_params=True splits parameters over the devices of a site: it needs "
-                       "backend='shard_map' and a 2-D mesh, e.g. mesh=make_mesh(sites=2, "
-                       f"per_site=4); got backend='shard_map', mesh axes {mesh.axis_names}")
+                       "backend='shard_map' and a mesh with in-site axes, e.g. mesh=make_mesh("
+                       f"sites=2, per_site=4); got backend='shard_map', mesh axes {mesh.axis_names}")
+    if self.batch_axes is not None:
+      bad = [a for a in self.batch_axes if a not in placed.inner]
+      if isinstance(self.batch_axes, str) or bad:
+        raise ValueError(f"batch_axes must be a tuple of in-site axes {placed.inner}, got "
+                         f"{self.batch_axes!r}")
     return placed
 
   @property
@@ -172,46 +211,84 @@ class Mesh:
     return int(np.prod([self.mesh.shape[a] for a in self.inner])) if self.inner else 1
 
   @property
-  def in_site(self) -> InSite:
-    return InSite(self.inner)
-
-  def compile(self, build: Build, donate: bool):
-    """The jitted ``shard_map`` step (per state layout with sharded parameters)."""
-
-    def compile_for(state_specs, dims):
-      program = build(InSite(self.inner, dims))
-
-      def blocked(state, batch):
-        new_state, metrics = program(jax.tree.map(lambda x: x[0], state), batch)
-        return jax.tree.map(lambda x: x[None], (new_state, metrics))
-
-      return jax.jit(
-          jax.shard_map(blocked, mesh=self.mesh, in_specs=(state_specs, self._batch_spec),
-                        out_specs=(state_specs, P(self.axis_name))),
-          donate_argnums=(0,) if donate else ())
-
-    if self.shard_params:
-      return PerLayoutRun(compile_for, self)
-    return compile_for(P(self.axis_name), None)
+  def row_axes(self) -> tuple[str, ...]:
+    """The in-site axes a site's rows are split over."""
+    return self.inner if self.batch_axes is None else tuple(self.batch_axes)
 
   @property
-  def _batch_spec(self) -> P:
-    return P((self.axis_name, *self.inner))
+  def rows_per_site_unit(self) -> int:
+    """A site's rows must be a multiple of this (the devices its rows are split over)."""
+    return int(np.prod([self.mesh.shape[a] for a in self.row_axes])) if self.row_axes else 1
+
+  def compile(self, build: Build, donate: bool):
+    """The jitted step: manual over the site axis, GSPMD inside (one program per state layout)."""
+    program = build()
+    inner_rules = strip_site_axis(self.rules, self.axis_name)
+
+    def blocked(state, batch):
+      with _logical_rules(inner_rules):
+        new_state, metrics = program(jax.tree.map(lambda x: x[0], state), batch)
+      return jax.tree.map(lambda x: x[None], (new_state, metrics))
+
+    site = P(self.axis_name)
+    mapped = jax.shard_map(blocked, mesh=self.mesh, in_specs=(site, site),
+                           out_specs=(site, site), axis_names={self.axis_name})
+
+    def compile_for(state):
+      shardings = self.shardings(self.state_specs(state))
+      return jax.jit(mapped, in_shardings=(shardings, self.batch_sharding),
+                     out_shardings=(shardings, NamedSharding(self.mesh, site)),
+                     donate_argnums=(0,) if donate else ())
+
+    return PerLayoutRun(compile_for)
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P((self.axis_name, *self.row_axes)))
+
+  def shardings(self, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def record(self, params: Any) -> Any:
+    """Record the in-site specs of one site's (possibly boxed) parameters; returns them."""
+    specs = param_layout(params, mesh_shape=dict(self.mesh.shape), site_axis=self.axis_name,
+                         inner=self.inner, param_specs=self.param_specs, rules=self.rules,
+                         shard_params=self.shard_params)
+    self.recorded["params"] = (jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)),
+                               specs)
+    return specs
+
+  def param_specs_of(self, params: Any) -> Any:
+    """The in-site specs of one site's parameters (recorded at init, else computed)."""
+    hit = self.recorded.get("params")
+    if hit is not None and hit[0] == jax.tree.structure(params):
+      return hit[1]
+    return self.record(params)
 
   def state_specs(self, state: Any) -> Any:
     """The ``PartitionSpec`` of every leaf of a site-stacked state.
 
-    Every leaf is split over the sites on its leading axis. With
-    ``shard_params`` a parameter is also split over the in-site axes along
-    :func:`~dadjax.parallel.shard_dims`'s dimension, and so is each
-    optimizer-state leaf whose key path ends with that parameter's path and
-    whose shape is the parameter's (momenta, Adam moments, error-feedback
-    memories, accumulators); every other leaf (counters, ledgers) is whole
-    on every device of a site.
+    Every leaf is split over the sites on its leading axis. A parameter
+    keeps its in-site spec after it (:meth:`param_specs_of`), and so does
+    each optimizer-state leaf that mirrors it
+    (:func:`~dadjax.parallel._layout.mirror_specs`); every other leaf
+    (counters, ledgers) is whole on every device of a site.
     """
-    if not self.shard_params:
-      return jax.tree.map(lambda _: P(self.axis_name), state)
-    return sharded_layout(state, self.axis_name, self.inner, self.per_site)[0]
+    site = P(self.axis_name)
+    if not hasattr(state, "params"):
+      return jax.tree.map(lambda _: site, state)
+    one_site = unstack_shapes(state.params)
+    inner = self.param_specs_of(one_site)
+    stacked = lambda s: P(self.axis_name, *s)
+    params = jax.tree.map(stacked, inner, is_leaf=lambda x: isinstance(x, P))
+    mirrored = lambda tree: jax.tree.map(
+        stacked, mirror_specs(unstack_shapes(tree), one_site, inner, lambda _: P()),
+        is_leaf=lambda x: isinstance(x, P))
+    fields = {f: jax.tree.map(lambda _: site, getattr(state, f)) for f in type(state)._fields}
+    fields.update(params=params, opt_state=mirrored(state.opt_state),
+                  stage_state=mirrored(state.stage_state))
+    return type(state)(**fields)
 
   def place(self, tree: Any, specs: Any = None) -> Any:
     """A site-stacked tree placed by ``specs`` (default: split over the sites)."""
@@ -227,28 +304,28 @@ class Mesh:
     """The global batch array from the rows of ``sites`` (default: every site's,
     ascending); each device reads only its own site's rows (:func:`put_site_rows`)."""
     sites = tuple(range(self.num_sites)) if sites is None else sites
-    sharding = NamedSharding(self.mesh, self._batch_spec)
-    return jax.tree.map(lambda x: put_site_rows(x, sites, self.num_sites, sharding), batch)
+    return jax.tree.map(lambda x: put_site_rows(x, sites, self.num_sites, self.batch_sharding),
+                        batch)
+
+
+def _logical_rules(rules):
+  if rules is None:
+    return contextlib.nullcontext()
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return nn.logical_axis_rules(rules)
 
 
 class PerLayoutRun:
-  """The jitted step for sharded parameters, built once per state layout.
+  """The jitted step, built once per state layout (its shardings depend on the leaves' shapes)."""
 
-  ``shard_map`` needs each leaf's spec, which depends on the parameters'
-  shapes: the first call (or ``lower``) with a state of new shapes builds
-  the program for the placement's ``state_specs`` of that state.
-  """
-
-  def __init__(self, compile_for, placement: Mesh):
-    self.compile_for, self.placement = compile_for, placement
+  def __init__(self, compile_for):
+    self.compile_for = compile_for
     self.programs: dict = {}
 
   def program(self, state: Any):
     key = (jax.tree.structure(state), tuple(np.shape(x) for x in jax.tree.leaves(state)))
     if key not in self.programs:
-      p = self.placement
-      self.programs[key] = self.compile_for(
-          *sharded_layout(state, p.axis_name, p.inner, p.per_site))
+      self.programs[key] = self.compile_for(state)
     return self.programs[key]
 
   def __call__(self, state: Any, batch: Any):
@@ -259,13 +336,19 @@ class PerLayoutRun:
 
 
 def placement_of(backend: Any, num_sites: int | None, mesh: Any, shard_params: bool,
-                 axis_name: str):
+                 axis_name: str, **layout):
   """The placement of ``make_train_step``'s arguments, resolved for ``axis_name``.
 
-  ``backend`` is a placement object or one of :data:`BACKENDS`.
+  ``backend`` is a placement object or one of :data:`BACKENDS`; ``layout``:
+  :class:`Mesh`'s ``param_specs``, ``rules`` and ``batch_axes`` (``None``
+  when not given).
   """
+  layout = {k: v for k, v in layout.items() if v is not None}
+  if layout and backend not in ("shard_map", None) and not isinstance(backend, Mesh):
+    raise ValueError(f"{sorted(layout)} describe a mesh's in-site layout: they need "
+                     f"backend='shard_map', got backend={backend!r}")
   if isinstance(backend, (Vmap, Mesh)):
-    if mesh is not None or num_sites is not None or shard_params:
+    if mesh is not None or num_sites is not None or shard_params or layout:
       raise ValueError("with a placement object as backend, give num_sites, mesh and "
                        "shard_params to the placement (e.g. Mesh(mesh, shard_params=True))")
     return backend.resolved(axis_name)
@@ -280,7 +363,7 @@ def placement_of(backend: Any, num_sites: int | None, mesh: Any, shard_params: b
                      "backend='shard_map' and a 2-D mesh, e.g. mesh=make_mesh(sites=2, "
                      f"per_site=4); got backend={backend!r}, mesh axes None")
   if backend == "shard_map":
-    return Mesh(mesh, shard_params, num_sites).resolved(axis_name)
+    return Mesh(mesh, shard_params, num_sites, **layout).resolved(axis_name)
   if backend == "pmap":
     return Pmap(num_sites).resolved(axis_name)
   return Vmap(num_sites).resolved(axis_name)

@@ -1,8 +1,9 @@
 """The step as one site runs it: a short pipeline of small functions.
 
-``local gradient -> in-site reduction -> tx.update -> collection sync ->
-metrics -> ledger``. Collectives name the site axis; the in-site reduction
-(:class:`~dadjax.parallel._insite.InSite`) is the identity on a 1-D layout.
+``local gradient -> tx.update -> collection sync -> metrics -> ledger``.
+Collectives name the site axis. On a mesh whose sites are groups of devices
+the program sees the site's whole (logical) arrays: the in-site sharding
+and its collectives are GSPMD's (:mod:`dadjax.parallel._placement`).
 
 Ledger: communication the step itself does outside the optimizer (a batch
 stage's collectives, the ``pmean`` of averaged collections and of the
@@ -31,7 +32,6 @@ from dadjax.comm import (
 )
 from dadjax.parallel._checks import check_model_comm, check_opt_state, unbound_axis
 from dadjax.parallel._gradient import _split_aux, grad_result
-from dadjax.parallel._insite import InSite
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._state import TrainState, site_keys
 from dadjax.stage import BatchStage, GradResult, StageContext
@@ -56,21 +56,19 @@ class Local(NamedTuple):
   result: GradResult
   stage_state: Any
   traffic: Traffic  # over the site axis (a batch stage's collectives)
-  intra: Traffic  # within the site (gathering sharded parameters)
 
 
-def local_gradient(r: Recipe, in_site: InSite, state: TrainState, batch) -> Local:
+def local_gradient(r: Recipe, state: TrainState, batch) -> Local:
   """The plain backward pass of the site's rows, or the batch stage's gradient."""
   model_key, shared_key, stage_key = site_keys(state.rng, state.step, site_index(r.axis_name))
-  model_key = in_site.device_key(model_key)
-  params, model_state, intra = in_site.local(state.params, state.model_state)
+  params, model_state = state.params, state.model_state
 
   def grad_fn(p, b, rng=None):
     return grad_result(r.loss_fn, (), p, model_state, b, model_key if rng is None else rng, True,
                        collections=r.rules)
 
   if r.batch_stage is None:
-    return Local(grad_fn(params, batch), state.stage_state, NO_TRAFFIC, intra)
+    return Local(grad_fn(params, batch), state.stage_state, NO_TRAFFIC)
 
   def loss_fn(p, b, rng=None):
     value, aux = r.loss_fn(p, model_state, b, model_key if rng is None else rng, True)
@@ -78,21 +76,12 @@ def local_gradient(r: Recipe, in_site: InSite, state: TrainState, batch) -> Loca
 
   ctx = StageContext(grad_fn, loss_fn, r.axis_name, stage_key, shared_key, state.step)
   out = r.batch_stage.apply(ctx, params, batch, state.stage_state)
-  return Local(out.result, out.state, out.traffic, intra)
+  return Local(out.result, out.state, out.traffic)
 
 
-def reduce_in_site(in_site: InSite, state: TrainState, local: Local, rules: Mapping):
-  """``(grads, model_state, stage_state, intra traffic)``, equal on every device of a site."""
-  grads, t1 = in_site.mean_grads(local.result.grads)
-  model_state, t2 = in_site.sync(state.model_state, local.result.model_state, rules)
-  stage_state = in_site.check_stage_state(local.stage_state)
-  return grads, model_state, stage_state, traffic_add(local.intra, t1, t2)
-
-
-def apply_tx(tx, in_site: InSite, state: TrainState, grads, extra_args: dict):
+def apply_tx(tx, state: TrainState, grads, extra_args: dict):
   """``(params, opt_state)`` after the optimizer (which does the method's collectives)."""
-  with in_site.optimizer_scope(state.params):
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra_args)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra_args)
   return optax.apply_updates(state.params, updates), opt_state
 
 
@@ -105,36 +94,32 @@ def sync_collections(r: Recipe, model_state: dict) -> tuple[dict, Traffic]:
   return {**model_state, **synced}, traffic
 
 
-def site_metrics(r: Recipe, in_site: InSite, result: GradResult, batch):
-  """``(metrics, site-axis traffic, in-site traffic)``: averaged over the devices, then the sites."""
+def site_metrics(r: Recipe, result: GradResult, batch):
+  """``(metrics, site-axis traffic)``: the site's metrics averaged over the sites."""
   metrics = {"loss": result.loss, **r.metrics_fn(result.aux, batch)}
   metrics = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), metrics)
-  metrics, intra = in_site.mean(metrics)
-  metrics, traffic = metered_pmean(metrics, r.axis_name)
-  return metrics, traffic, intra
+  return metered_pmean(metrics, r.axis_name)
 
 
-def ledgers(r: Recipe, in_site: InSite, state: TrainState, result: GradResult, traffic: Traffic,
-            intra: Traffic):
-  """``(comm, intra_comm)``: the step's own ledgers after this step."""
+def ledger(r: Recipe, state: TrainState, result: GradResult, traffic: Traffic):
+  """The step's own ledger after this step."""
   # a batch stage replaces the gradient all-reduce: its fp32 size is the dense reference
   dense = tree_dense_bits(result.grads) if r.batch_stage is not None else 0
-  comm = ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather, dense=dense,
+  return ledger_record(state.comm, reduce=traffic.reduce, gather=traffic.gather, dense=dense,
                        reduce_calls=traffic.reduce_calls, gather_calls=traffic.gather_calls)
-  return comm, in_site.record(state.intra_comm, intra)
 
 
-def site_program(r: Recipe) -> Callable[[InSite], Callable]:
-  """The site program's factory: ``in_site -> site_step(state, batch) -> (state, metrics)``."""
+def site_program(r: Recipe) -> Callable[[], Callable]:
+  """The site program's factory: ``() -> site_step(state, batch) -> (state, metrics)``."""
   r = r._replace(tx=optax.with_extra_args_support(r.tx))
 
-  def build(in_site: InSite):
+  def build():
 
     def site_step(state: TrainState, batch):
       check_opt_state(state.opt_state, num_sites=r.num_sites, axis_name=r.axis_name,
                       stage=r.batch_stage is not None, allow_local=r.allow_local)
       try:
-        return _site_step(r, in_site, state, batch)
+        return _site_step(r, state, batch)
       except NameError as e:
         if "unbound axis" not in str(e):
           raise
@@ -145,16 +130,15 @@ def site_program(r: Recipe) -> Callable[[InSite], Callable]:
   return build
 
 
-def _site_step(r: Recipe, in_site: InSite, state: TrainState, batch):
+def _site_step(r: Recipe, state: TrainState, batch):
   """One step of one site (:func:`site_program`)."""
-  local = local_gradient(r, in_site, state, batch)
-  grads, model_state, stage_state, intra = reduce_in_site(in_site, state, local, r.rules)
-  params, opt_state = apply_tx(r.tx, in_site, state, grads, local.result.extra_args)
+  local = local_gradient(r, state, batch)
+  model_state = dict(local.result.model_state)
+  params, opt_state = apply_tx(r.tx, state, local.result.grads, local.result.extra_args)
   check_model_comm(local.result.extra_args, state.opt_state)  # after a family's own refusal
   model_state, sync_traffic = sync_collections(r, model_state)
-  metrics, metrics_traffic, metrics_intra = site_metrics(r, in_site, local.result, batch)
+  metrics, metrics_traffic = site_metrics(r, local.result, batch)
   traffic = traffic_add(local.traffic, sync_traffic, metrics_traffic)
-  comm, intra_comm = ledgers(r, in_site, state, local.result, traffic,
-                             traffic_add(intra, metrics_intra))
+  comm = ledger(r, state, local.result, traffic)
   return TrainState(state.step + 1, params, opt_state, model_state, state.rng, comm,
-                    stage_state, intra_comm), metrics
+                    local.stage_state, state.intra_comm), metrics

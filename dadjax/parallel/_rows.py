@@ -25,9 +25,8 @@ def local_sites(placement: Any) -> tuple[int, ...]:
   """
   if placement.backend != "shard_map":
     return tuple(range(placement.num_sites))
-  per_site = placement.per_site
-  sharding = NamedSharding(placement.mesh, P((placement.axis_name, *placement.inner)))
-  index = sharding.addressable_devices_indices_map((placement.num_sites * per_site,))
+  per_site = placement.rows_per_site_unit
+  index = placement.batch_sharding.addressable_devices_indices_map((placement.num_sites * per_site,))
   return tuple(sorted({(rows[0].start or 0) // per_site for rows in index.values()}))
 
 

@@ -14,13 +14,14 @@ import optax
 
 from dadjax._core import report
 from dadjax._core.collections import CollectionRule
-from dadjax.comm import COMM_COLLECTION, host_array, intra_ledger_init, ledger_init
+from dadjax.comm import COMM_COLLECTION, host_array, ledger_init
 from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger as _check_ledger,
                                       collectives as _collectives, link_of as _link_of,
                                       program_bits as _program_bits)
 from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._rows import check_sites as _check_sites, local_sites as _local_sites
+from dadjax.parallel._layout import unbox
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
 
@@ -60,7 +61,7 @@ class TrainStep:
   mesh = property(lambda self: self.placement.mesh)
   per_site = property(lambda self: self.placement.per_site)
   shard_params = property(lambda self: self.placement.shard_params)
-  inner_axes = property(lambda self: self.placement.in_site.axes)
+  inner_axes = property(lambda self: self.placement.inner)
 
   def init(self, key: jax.Array, sample_x: Any, **init_kwargs) -> TrainState:
     """Initialize parameters from ``key`` and replicate them over the sites.
@@ -76,6 +77,9 @@ class TrainStep:
       The placed, site-stacked :class:`TrainState`.
     """
     variables = dict(self.model.init(key, sample_x, **init_kwargs))
+    if self.backend == "shard_map":  # the in-site layout the model's metadata declares
+      self.placement.record(variables["params"])
+    variables = unbox(variables)
     params = variables.pop("params")
     variables.pop(COMM_COLLECTION, None)
     missing = [c for c in self.mutable if c not in variables and c not in DEFAULT_MUTABLE]
@@ -88,16 +92,15 @@ class TrainStep:
     check_opt_state(opt_state, num_sites=self.num_sites, axis_name=self.axis_name,
                     stage=self.batch_stage is not None, allow_local=self.allow_local)
     state = TrainState(np.zeros((), np.int32), params, opt_state, variables, base,
-                       ledger_init(), stage_state,
-                       intra_ledger_init() if self.inner_axes else None)
+                       ledger_init(), stage_state, None)
     return self.place(stack_sites(state, self.num_sites))
 
   def place(self, tree: Any) -> Any:
     """Put a site-stacked pytree where this placement expects it.
 
-    With ``shard_params`` a :class:`TrainState` is placed by
-    :meth:`state_specs` (parameters and their optimizer state sharded within
-    each site); any other tree, and every tree without it, by site.
+    On a mesh a :class:`TrainState` is placed by :meth:`state_specs`
+    (parameters and the optimizer state that mirrors them keep their in-site
+    sharding); any other tree by site.
     """
     if self.backend != "shard_map":
       return self.placement.place(tree)
@@ -107,12 +110,12 @@ class TrainStep:
   def state_specs(self, state: TrainState) -> Any:
     """The ``PartitionSpec`` of every leaf of a site-stacked state (shard_map backend).
 
-    Every leaf is split over the sites on its leading axis. With
-    ``shard_params`` a parameter is also split over the in-site axes along
-    :func:`shard_dims`'s dimension, and so is each optimizer-state leaf whose
-    key path ends with that parameter's path and whose shape is the
-    parameter's; every other leaf (counters, ledgers) is whole on every
-    device of a site.
+    Every leaf is split over the sites on its leading axis. A parameter then
+    keeps its in-site spec (the model's metadata, ``param_specs``, or FSDP
+    with ``shard_params``: :mod:`dadjax.parallel._layout`), and so does each
+    optimizer-state leaf whose key path ends with that parameter's path and
+    whose shape is the parameter's; every other leaf (counters, ledgers) is
+    whole on every device of a site.
     """
     return self.placement.state_specs(state)
 
@@ -129,8 +132,8 @@ class TrainStep:
     """Raise a clear error if the batch does not split over its sites.
 
     Every leaf is split along its leading axis into ``len(sites)`` equal
-    site-major blocks (and each block into ``per_site`` equal blocks on a
-    2-D mesh), so each needs a positive multiple of ``len(sites) * per_site``
+    site-major blocks (and each block into equal blocks over the devices of
+    the mesh's ``batch_axes``), so each needs a positive multiple of ``len(sites) *`` those devices
     rows. ``sites`` (default: every site) must hold :attr:`local_sites`.
 
     Returns:
@@ -140,14 +143,15 @@ class TrainStep:
     leaves = jax.tree.leaves(batch)
     if not leaves:
       raise ValueError("batch: the batch pytree has no arrays")
-    units = len(sites) * self.per_site
+    unit = self.placement.rows_per_site_unit
+    units = len(sites) * unit
     for leaf in leaves:
       rows = np.shape(leaf)[0] if np.ndim(leaf) else None
       if rows is None or rows % units or rows == 0:
         whole = len(sites) == self.num_sites
         where = f"num_sites={len(sites)}" if whole else f"{len(sites)} site(s)"
-        if self.per_site > 1:
-          where += f" x per_site={self.per_site} devices"
+        if unit > 1:
+          where += f" x {unit} devices per site"
         kind = "global batch" if whole else f"batch of sites {list(sites)}"
         raise ValueError(
             f"batch: the {kind} of {rows} rows does not divide over "

@@ -1,0 +1,211 @@
+"""Where a site's parameters live inside the site: the in-site ``PartitionSpec`` of every leaf.
+
+A site of several devices keeps the sharding its model's author gave it;
+GSPMD (XLA's SPMD partitioner) then splits activations, compute and
+gradients accordingly and inserts the in-site collectives itself. The specs
+come, per leaf, from the first of:
+
+1. ``param_specs``: a pytree of ``PartitionSpec`` (a prefix of the
+   parameters' tree is enough) or a function ``params -> specs`` of one
+   site's parameters (arrays or ``ShapeDtypeStruct``);
+2. the model's own metadata: ``nn.Partitioned`` (``nn.with_partitioning``:
+   mesh axis names) and ``nn.LogicallyPartitioned``
+   (``nn.with_logical_partitioning``: logical names, mapped to mesh axes by
+   ``rules`` or, without them, by the ``nn.logical_axis_rules`` context
+   active when the step is built), NNX ``sharding`` metadata through
+   :class:`dadjax.nnx.Model`;
+3. ``shard_params=True``: FSDP, each leaf split along :func:`shard_dims`'s
+   dimension over every in-site axis;
+4. whole (replicated) on every device of the site.
+
+The site axis never appears in an in-site spec: the sites hold replicas of
+one another (a rule or spec that names it is read as "replicated"), and so
+does any axis the mesh does not have. A dimension that the named axes do
+not divide stays whole (``NamedSharding`` needs even splits).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dadjax._tree_utils import leaf_path
+
+Rules = Sequence[tuple[str, Any]]
+
+
+def shard_dims(params: Any, per_site: int) -> Any:
+  """Which dimension of each parameter FSDP splits over the devices of a site.
+
+  A parameter is split along its largest dimension that ``per_site``
+  divides (the first of equal ones), so each device holds ``1 / per_site``
+  of it; a parameter with no such dimension (a scalar, a bias of odd size)
+  stays whole on every device of the site.
+
+  Args:
+    params: one site's parameters (arrays or ``ShapeDtypeStruct``).
+    per_site: devices per site.
+
+  Returns:
+    A tree like ``params`` of ``int`` (the dimension) or ``None`` (whole).
+  """
+
+  def dim(x):
+    shape = tuple(x.shape)
+    fits = [i for i, n in enumerate(shape) if n >= per_site and n % per_site == 0]
+    return max(fits, key=lambda i: (shape[i], -i)) if fits and per_site > 1 else None
+
+  return jax.tree.map(dim, params)
+
+
+def _is_box(x) -> bool:
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return isinstance(x, nn.Partitioned)  # LogicallyPartitioned is a Partitioned
+
+
+def metadata_specs(params: Any, rules: Rules | None) -> Any:
+  """The in-site specs a Flax model's boxed parameters declare (``None`` for a bare leaf).
+
+  ``nn.LogicallyPartitioned`` names are mapped with ``rules`` (default: the
+  box's own rules, else the active ``nn.logical_axis_rules``).
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  def spec(x):
+    if not _is_box(x):
+      return None
+    names = x.get_partition_spec()
+    if isinstance(x, nn.LogicallyPartitioned):
+      leaf_rules = rules if rules is not None else (x.rules or nn.get_logical_axis_rules())
+      return P(*nn.logical_to_mesh_axes(tuple(names), leaf_rules))
+    return names
+
+  return jax.tree.map(spec, params, is_leaf=_is_box)
+
+
+def layer_axes_of(params: Any, layer_names: Sequence[str] = ("layers",)) -> dict[str, int]:
+  """``{leaf path: axis}`` of the leaves a Flax ``nn.scan`` / ``nn.vmap`` stacked.
+
+  Read from the partitioning names the model declares (``nn.scan(...,
+  metadata_params={nn.PARTITION_NAME: "layers"})`` inserts ``"layers"`` into
+  every boxed parameter's names): the axis whose name is in ``layer_names``.
+  """
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]:
+    if not _is_box(x):
+      continue
+    hits = [i for i, n in enumerate(x.names) if n in tuple(layer_names)]
+    if len(hits) > 1:
+      raise ValueError(f"{leaf_path(path)}: more than one stacking axis among its partitioning "
+                       f"names {x.names} (layer_names={tuple(layer_names)})")
+    if hits:
+      out[leaf_path(path)] = hits[0]
+  return out
+
+
+def unbox(tree: Any) -> Any:
+  """The arrays of a tree whose leaves may be Flax partitioning boxes."""
+  return jax.tree.map(lambda x: x.unbox() if _is_box(x) else x, tree, is_leaf=_is_box)
+
+
+def _axis_size(mesh_shape: dict, axes) -> int:
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return math.prod(mesh_shape[a] for a in axes)
+
+
+def clean_spec(spec: Any, shape: tuple[int, ...], mesh_shape: dict, site_axis: str) -> P:
+  """``spec`` without the site axis or axes the mesh lacks, and whole where it does not divide."""
+  if spec is None:
+    return P()
+  entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  out = []
+  for n, axes in zip(shape, entries[:len(shape)]):
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    axes = tuple(a for a in axes if a in mesh_shape and a != site_axis)
+    if not axes or n % _axis_size(mesh_shape, axes):
+      out.append(None)
+    else:
+      out.append(axes[0] if len(axes) == 1 else axes)
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def param_layout(params: Any, *, mesh_shape: dict, site_axis: str, inner: tuple[str, ...],
+                 param_specs: Any = None, rules: Rules | None = None,
+                 shard_params: bool = False) -> Any:
+  """The in-site ``PartitionSpec`` of every parameter leaf (module docstring: the order).
+
+  Args:
+    params: one site's parameters, possibly boxed (``nn.Partitioned``).
+    mesh_shape: ``{axis name: size}`` of the mesh.
+    site_axis: the site axis (never in the result).
+    inner: the in-site axes.
+    param_specs: a tree (prefix) of ``PartitionSpec`` or ``params -> specs``.
+    rules: logical axis rules for ``nn.LogicallyPartitioned`` leaves.
+    shard_params: FSDP over ``inner`` for leaves without another spec.
+
+  Returns:
+    A tree like the unboxed ``params`` of ``PartitionSpec``.
+  """
+  arrays = unbox(params)
+  shapes = jax.tree.map(lambda x: tuple(np.shape(x)), arrays)
+  declared = metadata_specs(params, rules)
+  if param_specs is not None:
+    given = param_specs(arrays) if callable(param_specs) else param_specs
+    given = jax.tree.broadcast(given, arrays, is_leaf=lambda x: isinstance(x, P) or x is None)
+    declared = jax.tree.map(lambda g, d: d if g is None else g, given, declared,
+                            is_leaf=lambda x: isinstance(x, P) or x is None)
+  per_site = math.prod(mesh_shape[a] for a in inner) if inner else 1
+  inner_spec = inner[0] if len(inner) == 1 else tuple(inner)
+  fsdp = shard_dims(arrays, per_site) if shard_params else jax.tree.map(lambda _: None, arrays)
+
+  def spec(d, dim, shape):
+    if d is None and dim is not None:
+      d = P(*([None] * dim), inner_spec)
+    return clean_spec(d, shape, mesh_shape, site_axis)
+
+  return jax.tree.map(spec, declared, fsdp, shapes,
+                      is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def mirror_specs(tree: Any, params: Any, param_specs: Any, default: Callable[[Any], P]) -> Any:
+  """Specs of a tree that mirrors the parameters (optimizer state, memories).
+
+  A leaf whose key path ends with a parameter's path and whose shape is the
+  parameter's takes that parameter's spec (Adam's moments, error-feedback
+  memories, a local-update family's inner parameters); every other leaf gets
+  ``default(leaf)``.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  spec_leaves = jax.tree.structure(params).flatten_up_to(param_specs)
+  by_path = {tuple(path): (tuple(np.shape(x)), s) for (path, x), s in zip(leaves, spec_leaves)}
+
+  def leaf_spec(path, x):
+    for k in range(len(path), 0, -1):  # the longest matching suffix
+      hit = by_path.get(tuple(path[-k:]))
+      if hit is not None:
+        return hit[1] if hit[0] == tuple(np.shape(x)) else default(x)
+    return default(x)
+
+  return jax.tree_util.tree_map_with_path(leaf_spec, tree)
+
+
+def strip_site_axis(rules: Rules | None, site_axis: str) -> tuple | None:
+  """Logical axis rules with the site axis removed (inside a site program the site axis is manual,
+  and ``with_sharding_constraint`` may only name automatic axes)."""
+  if rules is None:
+    return None
+  out = []
+  for name, axes in rules:
+    if isinstance(axes, (tuple, list)):
+      kept = tuple(a for a in axes if a != site_axis)
+      axes = kept if len(kept) > 1 else (kept[0] if kept else None)
+    elif axes == site_axis:
+      axes = None
+    out.append((name, axes))
+  return tuple(out)
