@@ -24,6 +24,50 @@ def _rows(mask: np.ndarray) -> np.ndarray:
   return mask.reshape(len(mask), -1).any(axis=1) if mask.ndim > 1 else mask
 
 
+def check_form(name: str, split: str, x, y) -> None:
+  """Raise DataError unless ``y`` holds integer labels, one row per row of ``x``.
+
+  The checks a loader runs before it converts the arrays (``as_dataset``
+  turns labels into int32, so float labels must be refused while they are
+  still floats). An empty split passes here (:func:`check_split` refuses it).
+
+  Args:
+    name: the data set's name (for the message).
+    split: ``"train"`` or ``"test"``.
+    x: inputs, shape ``(n, ...)``.
+    y: labels, shape ``(n,)``, or next-token targets ``(n, T)``.
+
+  Raises:
+    DataError: labels that are not integers (naming the first row that is
+      not a whole number, or row 0 when every value is one), labels of another
+      rank, or ``len(x) != len(y)``.
+  """
+  x, y = np.asarray(x), np.asarray(y)
+  where = f"data set {name!r}, {split} split"
+  if y.ndim not in (1, 2):
+    raise DataError(f"{where}: labels must be class ids (rows,) or next-token targets "
+                    f"(rows, T), got shape {y.shape}")
+  if len(x) != len(y):
+    raise DataError(f"{where}: {len(x)} inputs but {len(y)} labels; x and y must have one "
+                    "row each per example")
+  if len(y) and not np.issubdtype(y.dtype, np.integer):
+    if np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_:
+      values = y.astype(np.float64)
+      bad = _rows(~np.isfinite(values) | (values != np.round(values)))
+    else:  # strings, objects: no row is a class id
+      bad = np.ones(len(y), bool)
+    if bad.any():
+      i = _first(bad)
+      what = (f"{int(bad.sum())} of {len(y)} rows hold values that are not whole numbers; "
+              f"the first is row {i}: {y.reshape(len(y), -1)[i][0].item()!r}")
+    else:
+      what = (f"every value is a whole number (the first is row 0: "
+              f"{y.reshape(len(y), -1)[0][0].item()!r}): store them as integers, e.g. "
+              "y.astype(np.int32)")
+    raise DataError(f"{where}: labels must be integers (class ids) for a classification loss, "
+                    f"got dtype {y.dtype}; {what}")
+
+
 def check_split(name: str, split: str, x: np.ndarray, y: np.ndarray, num_classes: int,
                 vocab_size: int | None = None) -> None:
   """Raise DataError if one split cannot be trained or evaluated on.
@@ -46,9 +90,7 @@ def check_split(name: str, split: str, x: np.ndarray, y: np.ndarray, num_classes
   if len(x) == 0 or len(y) == 0:
     raise DataError(f"{where}: it is empty ({len(x)} inputs, {len(y)} labels); every split "
                     "needs at least one row")
-  if len(x) != len(y):
-    raise DataError(f"{where}: {len(x)} inputs but {len(y)} labels; x and y must have one "
-                    "row each per example")
+  check_form(name, split, x, y)
   if np.issubdtype(x.dtype, np.inexact):
     bad = _rows(~np.isfinite(x))
     if bad.any():
@@ -60,9 +102,6 @@ def check_split(name: str, split: str, x: np.ndarray, y: np.ndarray, num_classes
       i = _first(bad)
       raise DataError(f"{where}: {int(bad.sum())} of {len(x)} rows hold token ids outside "
                       f"[0, {vocab_size}); the first is row {i}")
-  if not np.issubdtype(y.dtype, np.integer):
-    raise DataError(f"{where}: labels must be integers (class ids) for a classification loss, "
-                    f"got dtype {y.dtype} (the first is row 0: {y.reshape(len(y), -1)[0][0]!r})")
   bad = _rows((y < 0) | (y >= num_classes))
   if bad.any():
     i = _first(bad)

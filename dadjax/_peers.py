@@ -36,6 +36,19 @@ line, acknowledges and leaves; process 0 leaves last. The failed process then
 leaves without JAX's shutdown barrier, which its peers never reach: exit code
 1 when the error was not caught (Python's code), else 2 (the command line's
 code for a dadjax error).
+
+A collective that fails because a peer is gone (gloo's "Connection closed by
+peer" / "Connection reset by peer", a coordination-service RPC that cannot be
+sent: :func:`is_transport_error`) is that peer's loss, not this process's
+error: :meth:`PeerWatch.confirm` holds the failing thread until the watch has
+found which process stopped (within ``peer_timeout_s`` plus two looks) and
+ended this one with the line above. Only when every peer is still alive after
+that does the error propagate as itself.
+
+Under ``dadjax train``'s supervisor (see :mod:`dadjax.cli`) the watch also
+writes ``STEP LAST_CHECKPOINT`` lines to the file descriptor named by
+``DADJAX_STATUS_FD``, so that the supervisor can name the step when JAX
+aborts this process (the coordination service of process 0 is gone).
 """
 
 from __future__ import annotations
@@ -48,6 +61,32 @@ import time
 from typing import Callable
 
 _PREFIX = "dadjax/peer_watch"
+STATUS_FD_ENV = "DADJAX_STATUS_FD"  # set by the supervisor of ``dadjax train``
+
+# What a collective or coordination call says when the other end is gone (gloo's TCP pairs,
+# gRPC to the coordination service, MPI); matched case-insensitively in the error's chain.
+_TRANSPORT_MARKERS = ("gloo", "connection closed", "connection reset", "reset by peer",
+                      "broken pipe", "socket closed", "connection refused",
+                      "failed to send rpc to coordination service", "coordination service",
+                      "unavailable:", "deadline_exceeded", "barrier timed out", "mpi_")
+
+
+def is_transport_error(exc: BaseException) -> bool:
+  """Whether ``exc`` (or an error in its chain) is a failed exchange with another process.
+
+  A ``jax.errors.JaxRuntimeError`` (or an error raised from one) whose text
+  names the transport: gloo, a closed or reset connection, the coordination
+  service. A bug in this process (a shape error, a full disk) is not one.
+  """
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    runtime = type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+    text = str(exc).lower()
+    if runtime and any(m in text for m in _TRANSPORT_MARKERS):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
 
 
 def _client():
@@ -79,6 +118,7 @@ class PeerWatch:
     self.prefix = f"{_PREFIX}/{PeerWatch._runs}"
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self._status_fd = _status_fd() if self.client is not None else None
 
   def __enter__(self) -> "PeerWatch":
     if self.client is not None:
@@ -97,6 +137,19 @@ class PeerWatch:
     elif issubclass(exc_type, Exception) and not issubclass(exc_type, Stopped):
       self._publish(self.process, f"failed {self.step()} {one_line(exc)}")
       atexit.register(self._exiting, exc)  # runs before JAX's exit handler (registered earlier)
+
+  def confirm(self, error: BaseException) -> None:
+    """Hold this thread while the watch finds the peer a failed exchange (``error``) lost.
+
+    A transport error (:func:`is_transport_error`) in a multi-process run
+    waits until the watch ends the process (``process K stopped responding``
+    or ``process K failed``, exit code 2): at most ``timeout_s`` plus two
+    looks. It returns (the caller re-raises ``error``) for any other error,
+    with one process, or when every peer is still alive after that time.
+    """
+    if self._thread is None or not self._thread.is_alive() or not is_transport_error(error):
+      return
+    self._thread.join(self.timeout_s + 2 * self.period + 1)  # it ends the process with os._exit
 
   @property
   def period(self) -> float:
@@ -159,9 +212,13 @@ class PeerWatch:
     beat = 0
     seen: dict[int, tuple[str | None, float]] = {}
     started = time.monotonic()
+    said = None
     while not self._stop.wait(period if beat else 0):
       beat += 1
       now = time.monotonic()
+      if self._status_fd is not None and self.step() != said:
+        said = self.step()
+        self._tell_supervisor(said)
       try:
         self.client.key_value_set(self._key(self.process), str(beat), allow_overwrite=True)
       except Exception as e:  # pylint: disable=broad-except
@@ -180,6 +237,17 @@ class PeerWatch:
           seen[peer] = (value, now)
         elif now - since > self.timeout_s and last_value != "done":
           self._lost(peer, f"no sign of life for {self.timeout_s:g} s")
+
+  def _tell_supervisor(self, step: int) -> None:
+    """``STEP LAST_CHECKPOINT`` (``-`` for none) to the supervisor's status pipe."""
+    try:
+      kept = self.last_checkpoint()
+    except Exception:  # pylint: disable=broad-except
+      kept = None
+    try:
+      os.write(self._status_fd, f"{step} {'-' if kept is None else kept}\n".encode())
+    except OSError:  # the supervisor is gone, or not reading: it is only for its message
+      self._status_fd = None
 
   def _failed(self, peer: int, value: str) -> None:
     """``peer`` published ``failed STEP ERROR``: wait until it printed its error, then end."""
@@ -208,6 +276,19 @@ class PeerWatch:
           + "; restart all processes to resume", file=sys.stderr, flush=True)
     then()
     self._leave(2, without)  # the main thread is stuck in a collective
+
+
+def _status_fd() -> int | None:
+  """The supervisor's status pipe (non-blocking), or ``None`` without a supervisor."""
+  value = os.environ.get(STATUS_FD_ENV, "")
+  if not value.isdigit():
+    return None
+  fd = int(value)
+  try:
+    os.set_blocking(fd, False)
+  except OSError:
+    return None
+  return fd
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

@@ -1,17 +1,15 @@
-"""Sites made of several devices: 2-D meshes (site axis x in-site axis)."""
+"""Sites made of several devices: the site axis is manual, the in-site axes are GSPMD's."""
 import pathlib
 
 import chex
+import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import dadjax
-from dadjax import extend
-from dadjax._core.shards import LeafShard, current_leaf, sharded_parameters
 from dadjax.comm import HierarchicalNetwork, NetworkModel
 from dadjax.comm._hlo import collective_ops
 from dadjax.methods import build_method
@@ -26,19 +24,50 @@ def _batch(step, rows=ROWS):
           "y": rng.integers(0, 5, rows).astype(np.int32)}
 
 
-def _step(spec, mesh, **kwargs):
-  method = build_method(spec)
-  model = MLP(hidden=(16,), num_classes=5, **({"dense": method.dense} if method.dense else {}))
-  return dadjax.make_train_step(model, optax.chain(method.tx, optax.sgd(0.1, momentum=0.9)),
-                                mesh=mesh, **kwargs)
+def _kernel(names, logical=False):
+  wrap = nn.with_logical_partitioning if logical else nn.with_partitioning
+  return wrap(nn.initializers.lecun_normal(), names)
 
 
-def _train(spec, mesh, steps=3):
-  ts = _step(spec, mesh)
+class TPNet(nn.Module):
+  """A Megatron-style pair (column-parallel, then row-parallel) and a head, all annotated."""
+
+  dense: type = nn.Dense
+  logical: bool = False
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    del train
+    col, row = (("embed", "mlp"), ("mlp", "embed")) if self.logical else (
+        (None, "model"), ("model", None))
+    h = nn.relu(self.dense(32, kernel_init=_kernel(col, self.logical))(x))
+    if self.logical:
+      h = nn.with_logical_constraint(h, ("batch", "mlp"))
+    h = self.dense(16, kernel_init=_kernel(row, self.logical))(h)
+    return self.dense(5)(nn.relu(h))
+
+
+def _step(spec, mesh, model=None, opt=None, **kwargs):
+  method = build_method(spec, steps_per_epoch=2)
+  dense = {"dense": method.dense} if method.dense else {}
+  model = MLP(hidden=(16,), num_classes=5, **dense) if model is None else model.clone(**dense)
+  extra = {"batch_stage": method.batch_stage} if method.batch_stage is not None else {}
+  return dadjax.make_train_step(model, method.optimizer(opt or optax.sgd(0.1, momentum=0.9)),
+                                mesh=mesh, collections=dict(method.collections), **extra,
+                                **kwargs)
+
+
+def _train(spec, mesh, steps=3, **kwargs):
+  ts = _step(spec, mesh, **kwargs)
   state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
   for i in range(steps):
     state, metrics = ts(state, _batch(i))
   return ts, state, metrics
+
+
+def _device_bytes(tree):
+  """Bytes one device holds of a placed tree."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 def test_make_mesh_shapes_and_errors():
@@ -47,123 +76,86 @@ def test_make_mesh_shapes_and_errors():
   assert list(mesh.devices[1]) == jax.devices()[4:8]  # site s = devices [4s, 4s + 4)
   assert dadjax.make_mesh(per_site=2).devices.shape == (4, 2)
   assert dadjax.make_mesh(4).axis_names == ("data",)  # the 1-D call is unchanged
+  named = dadjax.make_mesh(sites=2, inner={"fsdp": 2, "model": 2})
+  assert named.axis_names == ("data", "fsdp", "model") and named.devices.shape == (2, 2, 2)
+  assert list(named.devices[1].ravel()) == jax.devices()[4:8]
   with pytest.raises(ValueError, match="sites must be"):
     dadjax.make_mesh(sites=3, per_site=4)
   with pytest.raises(ValueError, match="per_site must be"):
     dadjax.make_mesh(sites=1, per_site=0)
   with pytest.raises(ValueError, match="inner_axis must differ"):
     dadjax.make_mesh(sites=2, per_site=4, inner_axis="data")
+  with pytest.raises(ValueError, match="inner must be a non-empty dict"):
+    dadjax.make_mesh(sites=2, inner={"data": 4})
+  with pytest.raises(ValueError, match="either as per_site"):
+    dadjax.make_mesh(sites=2, per_site=2, inner={"model": 2})
 
 
-def test_bad_2d_arguments_are_clear_errors():
+def test_bad_arguments_are_clear_errors():
   mesh = dadjax.make_mesh(sites=2, per_site=4)
   with pytest.raises(ValueError, match="mesh is for backend='shard_map'"):
     _step("allreduce", mesh, backend="vmap", num_sites=2)
   with pytest.raises(ValueError, match="num_sites=4 differs"):
     _step("allreduce", mesh, num_sites=4)
   ts = _step("allreduce", mesh)
-  with pytest.raises(ValueError, match=r"num_sites=2 x per_site=4 devices; use a multiple of 8"):
+  with pytest.raises(ValueError, match=r"num_sites=2 x 4 devices per site; use a multiple of 8"):
     ts.check_batch(_batch(0, rows=12))
+  with pytest.raises(ValueError, match="batch_axes must be a tuple of in-site axes"):
+    _step("allreduce", mesh, batch_axes=("data",))
+  with pytest.raises(ValueError, match=r"\['param_specs'\] describe a mesh's in-site layout"):
+    _step("allreduce", None, backend="vmap", num_sites=2, param_specs=P())
+  with pytest.raises(ValueError, match="shard_params=True splits parameters"):
+    _step("allreduce", dadjax.make_mesh(4), shard_params=True)
+  with pytest.raises(ValueError, match="shard_params must be a bool"):
+    _step("allreduce", mesh, shard_params="yes")
 
 
 @pytest.mark.parametrize("spec", ["allreduce", "dad"])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
-def test_2d_mesh_trains_like_pooled_training(spec, shape):
+def test_a_site_of_several_devices_trains_like_one_device_with_its_rows(spec, shape):
   sites, per_site = shape
   ts, state, metrics = _train(spec, dadjax.make_mesh(sites=sites, per_site=per_site))
-  ref_ts, ref_state, ref_metrics = _train(spec, dadjax.make_mesh(1))  # one site, all rows
+  ref_ts, ref_state, ref_metrics = _train(spec, dadjax.make_mesh(sites))
   got = ts.params(state)
   chex.assert_trees_all_close(got, ref_ts.params(ref_state), atol=2e-6, rtol=1e-5)
   chex.assert_trees_all_close(ts.params(state, site=sites - 1), got, atol=0)
-  np.testing.assert_allclose(np.asarray(metrics["loss"])[0], np.asarray(ref_metrics["loss"])[0],
+  np.testing.assert_allclose(np.asarray(metrics["loss"]), np.asarray(ref_metrics["loss"]),
                              rtol=1e-5)
-  summary = dadjax.comm_stats(state)
-  # In-site: one fp32 pmean of the gradients (+ dAD's per-layer "uses"), the int32 "step"
-  # counters taken exactly from the site's first device (a psum), and the metrics.
-  n_params = sum(np.size(x) for x in jax.tree.leaves(got))
-  n_state = 2 * 2 if spec == "dad" else 0  # two dAD layers x (fp32 "uses" + int32 "step")
-  if spec == "dad":
-    steps = [v["dad"]["step"] for v in state.model_state["dad_state"].values()]
-    assert all(s.dtype == np.int32 and np.all(np.asarray(s) == 3) for s in steps)
-  assert summary.intra_reduce_bits == (32 * (n_params + n_state + 2),) * sites
-  assert summary.intra_gather_bits == (0,) * sites
-  if spec == "dad":  # each device gathers its own b / per_site rows of (A, D) per layer
-    rows = ROWS // (sites * per_site)
-    gathered = 32 * rows * ((12 + 16) + (16 + 5))
-    assert summary.gather_bits == (gathered,) * sites
+  summary, ref = dadjax.comm_stats(state), dadjax.comm_stats(ref_state)
+  # the ledger books what a site sends over the site axis: the same as one device per site
+  assert (summary.reduce_bits, summary.gather_bits) == (ref.reduce_bits, ref.gather_bits)
+  assert state.intra_comm is None  # the in-site traffic is GSPMD's: read from the program
 
 
-@pytest.mark.parametrize("spec,shape", [
-    ("bf16", (2, 4)), ("ef(topk:0.25)", (2, 4)), ("qsgd:8", (2, 4)), ("terngrad", (2, 4)),
-    ("sign", (2, 4)), ("randomk:0.25", (2, 4)), ("powersgd:2", (2, 4)), ("qsgd:8", (4, 2)),
-    ("ef(topk:0.25)", (4, 2)),
-])
-def test_compressors_on_2d_mesh_equal_1d_mesh_with_the_same_sites(spec, shape):
-  sites, per_site = shape
-  ts, state, _ = _train(spec, dadjax.make_mesh(sites=sites, per_site=per_site), steps=2)
-  ref_ts, ref_state, _ = _train(spec, dadjax.make_mesh(sites), steps=2)
-  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-6, rtol=1e-5)
-  got, ref = dadjax.comm_stats(state), dadjax.comm_stats(ref_state)
-  assert (got.reduce_bits, got.gather_bits, got.dense_bits, got.total_bits) == (
-      ref.reduce_bits, ref.gather_bits, ref.dense_bits, ref.total_bits)
-  assert (got.reduce_calls, got.gather_calls) == (ref.reduce_calls, ref.gather_calls)
-  assert ref.intra_bits_per_step == 0 and got.intra_bits_per_step > 0
-
-
-@pytest.mark.parametrize("spec", ["qsgd:8", "ef(topk:0.25)", "dad"])
-def test_hlo_compressed_collectives_only_over_the_site_axis(spec):
-  mesh = dadjax.make_mesh(sites=2, per_site=4)
-  ts, state, _ = _train(spec, mesh, steps=1)
-  text = ts._run.lower(state, ts.place_batch(_batch(0))).compile().as_text()
-  ops = collective_ops(text)
-  site_groups = {(0, 4), (1, 5), (2, 6), (3, 7)}
-  in_site_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
-  inter = [op for op in ops if set(op.groups) == site_groups]
-  intra = [op for op in ops if set(op.groups) == in_site_groups]
-  assert len(inter) + len(intra) == len(ops), [op.groups for op in ops]
-  assert inter and intra
-  assert {ts.link_of(op.groups) for op in inter} == {"inter"}
-  assert {ts.link_of(op.groups) for op in intra} == {"intra"}
-  # In-site: exact fp32 all-reduces (gradients, collections, metrics).
-  assert {op.kind for op in intra} == {"reduce"}
-  assert "f32[" in text and not any("s8[" in line or "u8[" in line or "pred[" in line
-                                    for line in text.splitlines()
-                                    if "replica_groups={{0,1,2,3}" in line)
-  summary = dadjax.comm_stats(state)
-  # The ledger's inter-site bits are the bytes of the site-axis collectives, and so in-site.
-  assert 8 * sum(op.nbytes for op in inter) == summary.bits_per_step
-  intra_hlo = 8 * sum(op.nbytes for op in intra)
-  if spec == "dad":  # XLA merges the two layers' identical constant "uses" operands into one
-    assert summary.intra_bits_per_step - intra_hlo == 32
-  else:
-    assert intra_hlo == summary.intra_bits_per_step
-  by_link = ts.collectives(state, _batch(0), link="inter")
-  assert by_link.bits("reduce") + by_link.bits("gather") == summary.bits_per_step
-  if spec != "dad":  # compressed: less than the fp32 gradient over the slow links
-    assert summary.bits_per_step < summary.intra_bits_per_step
-    assert any("s8[" in l or "u8[" in l or "s32[" in l or "u32[" in l for l in text.splitlines()
-               if "replica_groups={{0,4}" in l)
-
-
-def test_hierarchical_network_charges_each_link_class():
-  mesh = dadjax.make_mesh(sites=2, per_site=4)
-  _, state, _ = _train("bf16", mesh, steps=1)
-  summary = dadjax.comm_stats(state)
-  inter = NetworkModel(bandwidth=10e9, latency=1e-3, num_sites=2)
-  net = HierarchicalNetwork(inter, intra_bandwidth=800e9, intra_latency=5e-6, per_site=4)
-  intra_bits = summary.intra_bits_per_step
-  expect_intra = (2 * 3 / 4 * intra_bits / 800e9 + 2 * 3 * 5e-6 * summary.intra_reduce_calls)
-  assert net.intra_time(summary) == pytest.approx(expect_intra, rel=1e-12)
-  assert net.inter_time(summary) == pytest.approx(inter.step_time(summary), rel=1e-12)
-  assert net.step_time(summary) == pytest.approx(expect_intra + inter.step_time(summary))
-  report = dadjax.comm.report(summary, net)
-  assert report.intra_payload_bits_per_step == intra_bits
+def test_in_site_traffic_is_read_from_the_compiled_program_per_axis():
+  mesh = dadjax.make_mesh(sites=2, inner={"fsdp": 2, "model": 2})
+  ts, state, _ = _train("qsgd:8", mesh, steps=1, model=TPNet(), shard_params=True)
+  by_axis = ts.traffic_by_axis(state, _batch(0))
+  assert by_axis.get("data", 0) > 0  # the method's collectives
+  assert set(by_axis) - {"data"} and all(
+      "data" not in k.split("+") for k in by_axis if k != "data")  # no op spans both kinds
+  intra = ts.collectives(state, _batch(0), link="intra")
+  inter = ts.collectives(state, _batch(0), link="inter")
+  assert sum(v for k, v in by_axis.items() if k != "data") == 8 * sum(intra.nbytes.values())
+  assert by_axis["data"] == 8 * sum(inter.nbytes.values())
+  net = HierarchicalNetwork(NetworkModel(bandwidth=10e9, latency=1e-3, num_sites=2),
+                            intra_bandwidth=800e9, intra_latency=5e-6, per_site=4)
+  report = dadjax.comm.report(state, net, step=ts, batch=_batch(0))
+  assert report.intra_payload_bits_per_step == 8 * sum(intra.nbytes.values()) > 0
+  assert report.modeled_intra_comm_s_per_step > 0
   assert report.setting == "ring, N=2 sites x 4 devices"
-  assert report.modeled_comm_s_per_step == pytest.approx(
-      report.modeled_intra_comm_s_per_step + inter.step_time(summary))
-  assert HierarchicalNetwork(inter).intra_time(summary) == 0.0  # per_site=1: no in-site links
-  with pytest.raises(ValueError, match="per_site must be"):
-    HierarchicalNetwork(inter, per_site=0)
+
+
+def test_hlo_method_collectives_run_only_over_the_site_axis():
+  mesh = dadjax.make_mesh(sites=2, per_site=4)
+  ts, state, _ = _train("qsgd:8", mesh, steps=1)
+  ops = collective_ops(ts._run.lower(state, ts.place_batch(_batch(0))).compile().as_text())
+  links = {ts.link_of(op.groups) for op in ops}
+  assert "mixed" not in links and "inter" in links
+  # the site-axis program bits equal what the ledger booked (checked on the first step too)
+  check = ts.ledger_check(state, _batch(1))
+  assert check["program_bits"] <= check["booked_bits"]
+  assert check["program_bits"] > 0
 
 
 def test_replica_groups_parse_both_hlo_forms():
@@ -175,50 +167,44 @@ def test_replica_groups_parse_both_hlo_forms():
   assert _replica_groups("replica_groups={}, x") == ()
 
 
+def test_hierarchical_network_charges_each_link_class():
+  inter = NetworkModel(bandwidth=10e9, latency=1e-3, num_sites=2)
+  net = HierarchicalNetwork(inter, intra_bandwidth=800e9, intra_latency=5e-6, per_site=4)
+  mesh = dadjax.make_mesh(sites=2, per_site=4)
+  ts, state, _ = _train("bf16", mesh, steps=1, shard_params=True)
+  ops = ts.collectives(state, _batch(0), link="intra")
+  summary = dadjax.comm.compiled_intra(dadjax.comm_stats(state), ops)
+  intra_bits = summary.intra_bits_per_step
+  assert intra_bits == 8 * sum(ops.nbytes.values()) > 0
+  assert net.intra_time(summary) > 0
+  assert net.step_time(summary) == pytest.approx(net.intra_time(summary) + inter.step_time(summary))
+  assert HierarchicalNetwork(inter).intra_time(summary) == 0.0  # per_site=1: no in-site links
+  with pytest.raises(ValueError, match="per_site must be"):
+    HierarchicalNetwork(inter, per_site=0)
+
+
 def test_config_per_site_trains_a_2d_mesh_and_rows_report_both_link_classes():
   from dadjax.config import Config, load_config
   from dadjax.errors import ConfigError
   from dadjax.train import train
   with pytest.raises(ConfigError, match="per_site=4 needs backend='shard_map'"):
     Config(num_sites=2, per_site=4, backend="vmap")
-  with pytest.raises(ConfigError, match="batch_per_site=6 must be a multiple of"):
-    Config(num_sites=2, per_site=4, batch_per_site=6)
   root = pathlib.Path(__file__).parent.parent
   shipped = load_config(root / "experiments" / "configs" / "multislice.toml")
   assert (shipped.num_sites, shipped.per_site, shipped.intra_bandwidth) == (2, 4, 800e9)
   config = Config(num_sites=2, per_site=4, batch_per_site=8, steps=2, eval_every=2,
-                  method="qsgd:8", model_kwargs={"hidden": [16]})
+                  method="qsgd:8", model_kwargs={"hidden": [16]}, shard_params=True)
   run = train(config, progress=False)
   assert run.step_fn.mesh.devices.shape == (2, 4) and run.step_fn.per_site == 4
   row = run.history[-1]
   summary = dadjax.comm_stats(run.state)
   assert row["payload_bits_per_step"] == summary.bits_per_step
-  assert row["intra_payload_bits_per_step"] == summary.intra_bits_per_step > 0
+  assert row["intra_payload_bits_per_step"] > 0
   assert row["modeled_intra_comm_s_per_step"] > 0
   assert row["modeled_comm_s_per_step"] > row["modeled_intra_comm_s_per_step"]
 
 
-# --- Parameters sharded within a site (FSDP) ---------------------------------------------------
-
-
-def _sharded_pair(spec, shape, opt=None, steps=2):
-  """The same run with the site's parameters sharded over its devices, and replicated."""
-  mesh = dadjax.make_mesh(sites=shape[0], per_site=shape[1])
-  runs = []
-  for shard in (True, False):
-    method = build_method(spec)
-    model = MLP(hidden=(16,), num_classes=5, **({"dense": method.dense} if method.dense else {}))
-    tx = optax.chain(method.tx, opt() if opt else optax.sgd(0.1, momentum=0.9))
-    ts = dadjax.make_train_step(model, tx, mesh=mesh, shard_params=shard)
-    state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
-    for i in range(steps):
-      state, metrics = ts(state, _batch(i))
-    runs.append((ts, state, metrics))
-  return runs
-
-
-def _local_shape(x):
-  return x.addressable_shards[0].data.shape
+# --- Parameters sharded within a site: FSDP, tensor parallelism, both --------------------------
 
 
 def test_shard_dims_split_the_largest_divisible_dimension():
@@ -230,121 +216,85 @@ def test_shard_dims_split_the_largest_divisible_dimension():
   assert dadjax.parallel.shard_dims(params, 1)["kernel"] is None
 
 
-@pytest.mark.parametrize("spec,shape,opt", [
-    ("allreduce", (2, 4), None), ("allreduce", (4, 2), lambda: optax.adam(1e-2)),
-    ("bf16", (2, 4), None), ("ef(sign)", (2, 4), None), ("dad", (2, 4), None),
-    ("rank_dad:2", (4, 2), None), ("ef_scaled_sign", (2, 4), None), ("terngrad", (2, 4), None),
-    ("qsgd:4", (4, 2), None),
-])
-def test_sharded_params_train_like_replicated_params(spec, shape, opt):
-  (ts, state, metrics), (ref_ts, ref_state, ref_metrics) = _sharded_pair(spec, shape, opt)
-  sites, per_site = shape
-  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-6, rtol=1e-5)
+# One method of every family, and the whole-tensor methods the old FSDP refused.
+FAMILIES = ["allreduce", "bf16", "ef(topk:0.1)", "powersgd:2", "qsgd:8", "sign",
+            "accordion(powersgd:2,powersgd:1,window=1,interval=1)", "dad", "rank_dad:2",
+            "dad:bucket", "dataquant:2:classes=5", "diloco:2:compress=powersgd(2)"]
+LAYOUTS = {"tp": {"model": 4}, "fsdp_tp": {"fsdp": 2, "model": 2}}
+
+
+@pytest.mark.parametrize("spec", FAMILIES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_family_trains_a_sharded_model_like_the_replicated_one(spec, layout):
+  mesh = dadjax.make_mesh(sites=2, inner=LAYOUTS[layout])
+  fsdp = layout == "fsdp_tp"
+  ts, state, metrics = _train(spec, mesh, steps=3, model=TPNet(), shard_params=fsdp)
+  ref_ts, ref_state, ref_metrics = _train(spec, dadjax.make_mesh(2), steps=3, model=TPNet())
+  # float order differs (GSPMD splits the products): rank-dAD's power iteration amplifies it
+  tol = 5e-4 if spec.startswith("rank_dad") else 2e-5
+  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=tol, rtol=tol)
   np.testing.assert_allclose(np.asarray(metrics["loss"]), np.asarray(ref_metrics["loss"]),
-                             rtol=1e-5)
-  # Stored sharded: a device holds 1/per_site of each kernel, and of the optimizer's copy of it.
-  dims = dadjax.parallel.shard_dims(ts.params(state), per_site)
-  kernel = state.params["hidden_0"]["kernel"]
-  assert _local_shape(kernel)[1 + dims["hidden_0"]["kernel"]] * per_site == kernel.shape[
-      1 + dims["hidden_0"]["kernel"]]
-  mirrored = [x for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-              if p and p[-2:] == (jax.tree_util.DictKey("hidden_0"), jax.tree_util.DictKey("kernel"))]
-  assert mirrored and all(_local_shape(x) == _local_shape(kernel) for x in mirrored)
-  ref_kernel = ref_state.params["hidden_0"]["kernel"]
-  assert _local_shape(ref_kernel) == (1,) + ref_kernel.shape[1:]  # replicated: the whole kernel
-  # Ledger, per device: a sharded leaf's exchange carries its slice, a whole leaf all of it.
+                             rtol=1e-4)
   got, ref = dadjax.comm_stats(state), dadjax.comm_stats(ref_state)
-  if spec in ("allreduce", "bf16"):
-    width = 32 if spec == "allreduce" else 16
-    params = ts.params(state)
-    entries = sum(np.size(x) // (per_site if d is not None else 1) for x, d in zip(
-        jax.tree.leaves(params), jax.tree.structure(params).flatten_up_to(dims)))
-    assert got.reduce_bits == (width * entries + 64,) * sites  # + the metrics' pmean
-    assert ref.reduce_bits == (width * sum(np.size(x) for x in jax.tree.leaves(
-        ts.params(state))) + 64,) * sites
-  # In-site: the slices' all-gather + the gradients' reduce-scatter replace the all-reduce.
-  assert got.intra_gather_bits[0] > 0 and ref.intra_gather_bits[0] == 0
-  assert got.intra_reduce_bits[0] < ref.intra_reduce_bits[0]
+  assert (got.reduce_bits, got.gather_bits, got.total_bits) == (
+      ref.reduce_bits, ref.gather_bits, ref.total_bits)
+  kernel = state.params["Dense_0"]["kernel"]  # (sites, 12, 32), columns over "model"
+  assert kernel.sharding.spec == P("data", "fsdp" if fsdp else None, "model")
+  assert kernel.addressable_shards[0].data.shape == (1, 12 // (2 if fsdp else 1),
+                                                    32 // mesh.shape["model"])
 
 
-def test_sharded_params_hlo_and_ledger_agree():
-  (ts, state, _), _ = _sharded_pair("allreduce", (2, 4), steps=1)
-  ops = ts.collectives(state, _batch(0), link="intra")
-  assert ops.count["gather"] > 0 and ops.count["reduce_scatter"] > 0
-  summary = dadjax.comm_stats(state)
-  # A reduce-scatter of B operand bits is booked as the all-gather of its B/4 output slice.
-  assert summary.intra_gather_bits[0] == ops.bits("gather") + ops.bits("reduce_scatter") // 4
-  assert summary.intra_reduce_bits[0] == ops.bits("reduce")
-  inter = ts.collectives(state, _batch(0), link="inter")
-  assert inter.bits("reduce") == summary.bits_per_step
-  assert ts.collectives(state, _batch(0)).count["reduce_scatter"] == ops.count["reduce_scatter"]
+def test_per_device_memory_follows_the_sharding():
+  sizes = {}
+  for name, kwargs in {"replicated": dict(mesh=dadjax.make_mesh(2)),
+                       "fsdp": dict(mesh=dadjax.make_mesh(sites=2, per_site=4),
+                                    shard_params=True),
+                       "tp": dict(mesh=dadjax.make_mesh(sites=2, inner={"model": 4}),
+                                  param_specs={"hidden_0": {"kernel": P(None, "model"),
+                                                            "bias": P("model")},
+                                               "hidden_1": {"kernel": P("model", None)}})}.items():
+    ts = _step("ef(topk:0.1)", model=MLP(hidden=(64, 64), num_classes=8), opt=optax.adam(1e-3),
+               **kwargs)
+    state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
+    sizes[name] = (_device_bytes(state.params), _device_bytes(state.opt_state))
+  (p_rep, o_rep), (p_fsdp, o_fsdp), (p_tp, _) = sizes["replicated"], sizes["fsdp"], sizes["tp"]
+  # FSDP over 4 devices: every leaf with a dimension 4 divides is split (the 5-wide head's
+  # bias stays whole); Adam's moments and the error-feedback memory follow their parameters
+  assert p_fsdp <= p_rep / 4 + 8 * 4 and o_fsdp <= o_rep / 4 + 64 * 4
+  assert p_tp < p_rep / 2
 
 
-@pytest.mark.parametrize("spec,name", [
-    ("topk:0.25", "topk"), ("powersgd:2", "powersgd"), ("qsgd:8:16", "qsgd"),
-    ("randomk:0.25", "randomk"), ("ef_topk:0.25", "ef_topk"),
-    ("accordion(topk:0.5,topk:0.25)", "accordion"),
-])
-def test_methods_that_need_whole_tensors_refuse_sharded_params(spec, name):
+def test_whole_tree_optax_transformations_train_on_sharded_parameters():
+  """What the hand-written FSDP refused (each device saw a slice) equals the replicated run."""
+  for opt in (lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1)),
+              lambda: optax.lamb(1e-2)):
+    ts, state, _ = _train("allreduce", dadjax.make_mesh(sites=2, per_site=4), opt=opt(),
+                          shard_params=True)
+    ref_ts, ref_state, _ = _train("allreduce", dadjax.make_mesh(2), opt=opt())
+    chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-6, rtol=1e-5)
+
+
+def test_logical_partitioning_with_rules_and_activation_constraints():
+  rules = (("batch", "data"), ("embed", "fsdp"), ("mlp", "model"))  # "data" is the site axis
+  mesh = dadjax.make_mesh(sites=2, inner={"fsdp": 2, "model": 2})
+  ts, state, _ = _train("powersgd:2", mesh, model=TPNet(logical=True), rules=rules)
+  kernel = state.params["Dense_0"]["kernel"]
+  assert kernel.sharding.spec == P("data", "fsdp", "model")
+  # the same rules given as flax's context when the step is built
+  with nn.logical_axis_rules(rules):
+    ctx_ts = _step("powersgd:2", mesh, model=TPNet(logical=True))
+  ctx_state = ctx_ts.init(jax.random.key(0), _batch(0)["x"][:2])
+  for i in range(3):
+    ctx_state, _ = ctx_ts(ctx_state, _batch(i))
+  chex.assert_trees_all_close(ctx_ts.params(ctx_state), ts.params(state), atol=0)
+  ref_ts, ref_state, _ = _train("powersgd:2", dadjax.make_mesh(2), model=TPNet(logical=True),
+                                rules=None)
+  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-5, rtol=2e-5)
+
+
+def test_diloco_with_a_compressed_outer_gradient_on_sharded_parameters():
+  """Regression: the hand-written FSDP crashed inside the step (incompatible shapes)."""
   mesh = dadjax.make_mesh(sites=2, per_site=4)
-  method = build_method(spec, steps_per_epoch=4) if spec.startswith("accordion") else build_method(
-      spec)
-  ts = dadjax.make_train_step(MLP(hidden=(16,), num_classes=5),
-                              optax.chain(method.tx, optax.sgd(0.1)), mesh=mesh, shard_params=True)
-  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
-  before = ts.params(state)
-  with pytest.raises(ValueError, match=rf"^{name} needs each parameter's whole tensor.*"
-                                       r"shard_params=True.*Methods that support"):
-    ts(state, _batch(0))
-  chex.assert_trees_all_equal(ts.params(state), before)  # nothing ran, nothing was lost
-
-
-def test_shard_params_argument_errors():
-  model = MLP(hidden=(16,), num_classes=5)
-  tx = build_method("allreduce").tx
-  with pytest.raises(ValueError, match="needs backend='shard_map' and a 2-D mesh"):
-    dadjax.make_train_step(model, tx, mesh=dadjax.make_mesh(4), shard_params=True)
-  with pytest.raises(ValueError, match="needs backend='shard_map' and a 2-D mesh"):
-    dadjax.make_train_step(model, tx, backend="vmap", num_sites=2, shard_params=True)
-  with pytest.raises(ValueError, match="shard_params must be a bool"):
-    dadjax.make_train_step(model, tx, mesh=dadjax.make_mesh(sites=2, per_site=4),
-                           shard_params="yes")
-  stage = build_method("dataquant:4").batch_stage
-  with pytest.raises(ValueError, match="does not support a batch_stage"):
-    dadjax.make_train_step(model, optax.sgd(0.1), mesh=dadjax.make_mesh(sites=2, per_site=4),
-                           shard_params=True, batch_stage=stage)
-  from dadjax.config import Config
-  from dadjax.errors import ConfigError
-  with pytest.raises(ConfigError, match="shard_params=True .* needs config.per_site >= 2"):
-    Config(num_sites=2, shard_params=True)
-
-
-def test_whole_tensor_helpers_equal_the_unsharded_computation():
-  mesh = dadjax.make_mesh(sites=2, per_site=4)
-  x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype(np.float32)  # (sites, 6, 8)
-  key = jax.random.key(3)
-
-  def per_device(block):
-    block = block[0]  # this device's (6, 2) slice of its site's (6, 8) leaf
-    with sharded_parameters(("replica",), {"['w']": 1}):
-      with current_leaf("['w']"):
-        assert extend.leaf_shard() == LeafShard(("replica",), 1)
-        out = (extend.whole_sum(jnp.sum(block)), extend.whole_max(jnp.max(block)),
-               extend.whole_size(block.size), extend.slice_uniform(key, block.shape))
-      with current_leaf("['b']"):
-        with pytest.raises(ValueError, match=r"leaf \['b'\] is not a parameter"):
-          extend.leaf_shard()
-    return jax.tree.map(lambda v: jnp.asarray(v)[None], out)
-
-  sums, maxes, sizes, noise = jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=P("data", None, "replica"),
-      out_specs=(P("data"), P("data"), P("data"), P("data", None, "replica")),
-      check_vma=False))(x)
-  np.testing.assert_allclose(np.asarray(sums), x.sum(axis=(1, 2)), rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(maxes), x.max(axis=(1, 2)))
-  assert np.asarray(sizes).tolist() == [48, 48]
-  whole = np.asarray(jax.random.uniform(key, (48,)).reshape(6, 8))
-  np.testing.assert_array_equal(np.asarray(noise)[0], whole)  # the slices tile the whole draw
-  # Outside a sharded step every helper is the local computation.
-  assert extend.leaf_shard() is None and extend.whole_size(7) == 7
-  np.testing.assert_array_equal(np.asarray(extend.slice_uniform(key, (6, 8))), whole)
+  ts, state, _ = _train("diloco:2:compress=powersgd(2)", mesh, steps=4, shard_params=True)
+  ref_ts, ref_state, _ = _train("diloco:2:compress=powersgd(2)", dadjax.make_mesh(2), steps=4)
+  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=2e-5, rtol=2e-5)

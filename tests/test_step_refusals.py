@@ -98,20 +98,6 @@ def test_dad_layers_without_their_synchronization_are_refused():
   good(good.init(jax.random.key(0), _data()["x"][:ROWS]), _data())
 
 
-@pytest.mark.parametrize("tx, name", [
-    (optax.chain(dadjax.allreduce(), optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
-     "clip_by_global_norm"),
-    (optax.chain(dadjax.allreduce(), optax.lamb(1e-3)), "scale_by_trust_ratio"),
-])
-def test_shard_params_refuses_whole_tree_reductions(tx, name):
-  with pytest.raises(ValueError, match=rf"shard_params=True: the optimizer uses \[.*{name}.*"
-                                       r"shard_params=False"):
-    dadjax.make_train_step(_model(), tx, mesh=dadjax.make_mesh(sites=2, per_site=2),
-                           shard_params=True)
-  dadjax.make_train_step(_model(), optax.chain(dadjax.allreduce(), optax.adamw(1e-3)),
-                         mesh=dadjax.make_mesh(sites=2, per_site=2), shard_params=True)
-
-
 # -- the once-per-layout ledger check --------------------------------------------------------
 
 

@@ -34,7 +34,8 @@ from dadjax._core.vma import is_varying, tree_to_varying
 from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._collectives import AllReduceState, allreduce
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
-from dadjax.comm._hlo import CollectiveOps, hlo_collectives, match_branches, taken_collectives
+from dadjax.comm._hlo import (CollectiveOps, collective_ops, hlo_collectives, match_branches,
+                             taken_collectives)
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,
@@ -50,7 +51,7 @@ from dadjax.comm._ledger import (
     periodic_record,
     tree_dense_bits,
 )
-from dadjax.comm._report import Report, gradient_baseline, report
+from dadjax.comm._report import Report, compiled_intra, gradient_baseline, report
 from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,
@@ -83,10 +84,12 @@ __all__ = [
     "wire_bits",
     "TOPOLOGIES",
     "hlo_collectives",
+    "collective_ops",
     "taken_collectives",
     "match_branches",
     "CollectiveOps",
     "report",
+    "compiled_intra",
     "Report",
     "gradient_baseline",
 ]

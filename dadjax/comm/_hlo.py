@@ -147,14 +147,20 @@ class CollectiveOp(NamedTuple):
   branch: tuple = ()
 
 
+_PAIRS = re.compile(r"source_target_pairs=(\{\{[\d,{} ]*\}\})")
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}"
                      r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
 def _replica_groups(attrs: str) -> tuple:
-  """Parse ``replica_groups=`` (explicit ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]T(..)`` form)."""
+  """Parse ``replica_groups=`` (explicit ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]T(..)`` form), or a
+  collective-permute's ``source_target_pairs=`` (each pair a group)."""
   m = _GROUPS.search(attrs)
-  if not m or m.group(1) == "{}":
+  if not m:  # a collective-permute: each source -> target pair is a group
+    pairs = _PAIRS.search(attrs)
+    return () if not pairs else tuple(
+        tuple(int(v) for v in g.split(",")) for g in re.findall(r"\{(\d+,\d+)\}", pairs.group(1)))
+  if m.group(1) == "{}":
     return ()
   text = m.group(1)
   if text.startswith("{"):

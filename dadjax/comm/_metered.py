@@ -74,11 +74,15 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
   The leaves of each dtype are flattened into one contiguous buffer (in leaf
   order), the collective runs on the buffer and the result is cut back into
   the leaves' shapes, so a payload of many leaves costs one collective op per
-  dtype instead of one per leaf (the bits moved are the same). ``stacked``:
+  dtype instead of one per leaf (the bits moved are the same; on a site of
+  several devices, one op per leaf: :func:`sites_of_devices`). ``stacked``:
   the collective adds a leading site axis (an all-gather).
   """
   leaves, treedef = jax.tree.flatten(tree)
-  if len(leaves) < 2:
+  # Inside a site of several devices the leaves are sharded differently (GSPMD's layout):
+  # one buffer would make XLA reshard every leaf, and its SPMD partitioner aborts on some
+  # such buffers, so each leaf travels on its own there.
+  if len(leaves) < 2 or sites_of_devices():
     return jax.tree.unflatten(treedef, [collective(x) for x in leaves])
   groups: dict = {}
   for i, x in enumerate(leaves):
@@ -87,8 +91,7 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
     groups.setdefault((jnp.result_type(x), vma(x)), []).append(i)
   out = [None] * len(leaves)
   for idx in groups.values():
-    whole = whole_in_site if stacked else (lambda x: x)
-    buffer = whole(collective(jnp.concatenate([whole(jnp.ravel(leaves[i])) for i in idx])))
+    buffer = collective(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))
     start = 0
     for i in idx:
       size, shape = leaves[i].size, jnp.shape(leaves[i])
@@ -98,17 +101,28 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def whole_in_site(x: jax.Array) -> jax.Array:
-  """``x`` whole on every device of a site whose in-site axes are GSPMD's (else unchanged).
-
-  An all-gather's buffer that concatenates leaves sharded differently inside
-  a site has no sharding XLA's SPMD partitioner can split (it aborts), and a
-  gathered payload is small (compressed), so it travels whole.
-  """
+def sites_of_devices() -> bool:
+  """Whether the code being traced runs manual over the sites and automatic inside them."""
   mesh = jax.sharding.get_abstract_mesh()
-  if not getattr(mesh, "auto_axes", ()) or not getattr(mesh, "manual_axes", ()):
-    return x
-  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return bool(getattr(mesh, "auto_axes", ())) and bool(getattr(mesh, "manual_axes", ()))
+
+
+def _psum(x: jax.Array, axis_name) -> jax.Array:
+  """``psum``, except a bf16 one inside a site of several devices on XLA:CPU.
+
+  There XLA:CPU's all-reduce promotion (which widens every 16-bit
+  all-reduce to fp32) aborts the compiler ("Invalid binary instruction
+  opcode copy", ``AllReducePromotion`` -> ``CloneAllReduce``; reproduced by
+  ``jax.lax.psum(x.astype(jnp.bfloat16), "data")`` under
+  ``jax.shard_map(..., axis_names={"data"})`` on a mesh with a second,
+  automatic axis). The same bf16 payload is then all-gathered and summed in
+  fp32, as the promotion would sum it: the same bits leave the site, the
+  same numbers up to the order of the sum.
+  """
+  if x.dtype == jnp.bfloat16 and sites_of_devices() and jax.default_backend() == "cpu":
+    gathered = jax.lax.all_gather(x, axis_name)
+    return jnp.sum(gathered.astype(jnp.float32), axis=0).astype(jnp.bfloat16)
+  return jax.lax.psum(x, axis_name)
 
 
 def metered_psum(tree: Any, axis_name: str | None, *,
@@ -123,9 +137,9 @@ def metered_psum(tree: Any, axis_name: str | None, *,
   if axis_name is None:
     out = tree
   elif BUCKET if bucket is None else bucket:
-    out = bucketed(lambda x: jax.lax.psum(x, axis_name), tree, stacked=False)
+    out = bucketed(lambda x: _psum(x, axis_name), tree, stacked=False)
   else:
-    out = jax.lax.psum(tree, axis_name)
+    out = jax.tree.map(lambda x: _psum(x, axis_name), tree)
   return out, Traffic(reduce=tree_nbits(tree), reduce_calls=_calls(tree))
 
 

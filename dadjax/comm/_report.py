@@ -18,6 +18,8 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, NamedTuple
 
 import jax
@@ -114,6 +116,27 @@ def _ops_of(step, state, batch, link):
   return step.collectives(state, batch, link=link) if link else step.collectives(state, batch)
 
 
+def compiled_intra(summary: CommSummary, intra_ops: Any) -> CommSummary:
+  """``summary`` with its ``intra_*`` fields read from the compiled in-site ops.
+
+  Inside a site the collectives are GSPMD's (XLA inserts them when it
+  partitions the program), so no ledger books them: the compiled program
+  is their record. All-reduces and reduce-scatters count as reduce traffic,
+  every other kind (all-gathers, all-to-alls, permutes) as gather traffic;
+  bits are operand bits per device.
+  """
+  if intra_ops is None:
+    return summary
+  nbytes, count = intra_ops.nbytes, intra_ops.count
+  reduce_kinds = ("reduce", "reduce_scatter")
+  return dataclasses.replace(
+      summary,
+      intra_reduce_bits=(8 * sum(nbytes.get(k, 0) for k in reduce_kinds),),
+      intra_gather_bits=(8 * sum(v for k, v in nbytes.items() if k not in reduce_kinds),),
+      intra_reduce_calls=sum(count.get(k, 0) for k in reduce_kinds),
+      intra_gather_calls=sum(v for k, v in count.items() if k not in reduce_kinds))
+
+
 def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step: Any = None,
            batch: Any = None, baseline: str | None = None) -> Report:
   """The communication read-out of a train state (or of a :class:`CommSummary`).
@@ -127,7 +150,9 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
       on a 2-D mesh its ``link="inter"`` ops); ``None`` with ``step`` and
       ``batch`` reads them from ``step``; ``None`` without them charges
       latency per recorded call (``latency_per`` says which).
-    intra_ops: on a 2-D mesh, the in-site ops (``link="intra"``).
+    intra_ops: on a mesh whose sites are groups of devices, the in-site
+      compiled ops (``link="intra"``): the ``intra_*`` figures
+      (:func:`compiled_intra`).
     step: a ``TrainStep`` to read the compiled ops from (with ``batch``).
     batch: a global batch of the step's shapes.
     baseline: the dtype of the native all-reduce baseline; default: from
@@ -143,6 +168,7 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
     ops = _ops_of(step, state, batch, "inter" if hierarchical else None)
   if hierarchical and intra_ops is None:
     intra_ops = _ops_of(step, state, batch, "intra")
+  summary = compiled_intra(summary, intra_ops)
   if baseline is None:
     params = getattr(state, "params", None)
     baseline = gradient_baseline(params) if params is not None else "fp32"
@@ -181,4 +207,4 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
   )
 
 
-__all__ = ["Report", "gradient_baseline", "report"]
+__all__ = ["Report", "compiled_intra", "gradient_baseline", "report"]

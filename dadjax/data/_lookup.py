@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dadjax._core.imports import import_path
+from dadjax._datacheck import check_form
 from dadjax.data._embedded import Dataset
 from dadjax.data._tfds import load_tfds
 
@@ -71,6 +72,8 @@ def as_dataset(value: Any, name: str) -> Dataset:
 
   Raises:
     ValueError: for anything else, naming what is missing.
+    DataError: labels that are not integers, or x and y of different lengths (a
+      ``ValueError`` too), naming the split and the first bad row.
   """
   if isinstance(value, Dataset):
     return value
@@ -85,13 +88,8 @@ def as_dataset(value: Any, name: str) -> Dataset:
     raise ValueError(f"data set {name!r}: missing {missing} (it needs {list(_KEYS)})")
   x_train, x_test = np.asarray(value["x_train"]), np.asarray(value["x_test"])
   y_train, y_test = np.asarray(value["y_train"]), np.asarray(value["y_test"])
-  for key, y in (("y_train", y_train), ("y_test", y_test)):
-    if y.ndim not in (1, 2) or not np.issubdtype(y.dtype, np.integer):
-      raise ValueError(f"data set {name!r}: {key} must be integer labels (rows,) or next-token "
-                       f"targets (rows, T), got dtype {y.dtype} and shape {y.shape}")
-  if len(x_train) != len(y_train) or len(x_test) != len(y_test):
-    raise ValueError(f"data set {name!r}: x and y disagree in length (train {len(x_train)} vs "
-                     f"{len(y_train)}, test {len(x_test)} vs {len(y_test)})")
+  for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+    check_form(name, split, x, y)  # a DataError naming the split and the first bad row
   num_classes = value["num_classes"] if "num_classes" in value.keys() else None
   if num_classes is None:
     num_classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1

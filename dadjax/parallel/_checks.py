@@ -22,9 +22,6 @@ communicates when its state holds a bit ledger or declares ``COMMUNICATES``.
   gradients synchronized twice.
 * A collective naming an axis the step does not have (JAX's unbound-axis
   ``NameError`` at trace, re-raised naming the step's axis).
-* ``shard_params=True`` with optax transformations that reduce over whole
-  tensors or trees (found by the names of their update functions, where
-  optax's closures expose them): each device would see only its slice.
 """
 
 from __future__ import annotations
@@ -37,12 +34,6 @@ import optax
 
 from dadjax._core.marks import ANY_POSITION, BOOKS_MODEL_COMM, COMMUNICATES, find_declared
 from dadjax.comm import find_comm_stats
-
-# optax transformations whose update reduces over a whole tensor or tree
-WHOLE_TENSOR = ("clip_by_global_norm", "scale_by_trust_ratio", "adaptive_grad_clip",
-                "clip_by_block_rms", "scale_by_factored_rms", "scale_by_param_block_rms", "normalize_by_update_norm",
-                "per_example_global_norm_clip")
-
 
 def communicates(tree: Any) -> bool:
   """Whether a state tree holds a ledger or a node declaring ``COMMUNICATES``."""
@@ -126,38 +117,3 @@ def unbound_axis(error: NameError, axis_name: str) -> ValueError:
       f"axis is {axis_name!r}: build the transformation with axis_name={axis_name!r} (e.g. "
       f"dadjax.allreduce({axis_name!r}), compressed(c, axis_name={axis_name!r})) or pass "
       "make_train_step(..., axis_name=<the transformation's axis>)")
-
-
-def _update_names(tx: Any, seen: set) -> list[str]:
-  """Qualified names of the update functions inside ``tx`` (walking closures)."""
-  if id(tx) in seen:
-    return []
-  seen.add(id(tx))
-  names = []
-  fns = [tx] if callable(tx) and hasattr(tx, "__code__") else [
-      getattr(tx, "update", None), getattr(tx, "init", None)]
-  for fn in fns:
-    if fn is None or not hasattr(fn, "__code__"):
-      continue
-    names.append(fn.__qualname__)
-    for cell in fn.__closure__ or ():
-      try:
-        value = cell.cell_contents
-      except ValueError:
-        continue
-      items = value if isinstance(value, (list, tuple)) else (value,)
-      for item in items:
-        if isinstance(item, optax.GradientTransformation) or callable(item):
-          names += _update_names(item, seen)
-  return names
-
-
-def check_sharded_tx(tx: Any) -> None:
-  """Refuse optax transformations that reduce over whole tensors with sharded parameters."""
-  found = sorted({w for n in _update_names(tx, set()) for w in WHOLE_TENSOR
-                  if n.split(".")[0] == w})
-  if found:
-    raise ValueError(
-        f"shard_params=True: the optimizer uses {found}, which reduce over a whole tensor or "
-        "tree; with sharded parameters each device would see only its slice. Leave them out "
-        "(e.g. clip each site's gradient before make_train_step) or use shard_params=False")

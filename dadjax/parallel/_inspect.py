@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dadjax.comm import comm_stats, hlo_collectives
+from dadjax.comm import collective_ops, comm_stats, hlo_collectives
 
 
 def compiled_text(run, state, placed_batch) -> str:
@@ -36,6 +36,32 @@ def link_of(placement, groups) -> str:
   if all(all(len(set(c[d])) == 1 for d in others) for c in coords):
     return "inter"
   return "mixed"
+
+
+def axes_of(placement, groups) -> tuple[str, ...]:
+  """The mesh axes along which the devices of a collective's replica groups differ."""
+  mesh = placement.mesh
+  shape = mesh.devices.shape
+  groups = groups or (tuple(range(int(np.prod(shape)))),)
+  coords = [np.array(np.unravel_index(np.asarray(g), shape)) for g in groups]
+  return tuple(a for d, a in enumerate(mesh.axis_names)
+               if any(len(set(c[d])) > 1 for c in coords))
+
+
+def traffic_by_axis(run, placement, state, placed_batch) -> dict[str, int]:
+  """Operand bits per device of the compiled step's collectives, by the mesh axes they span.
+
+  Keys are axis names joined by ``"+"`` (``"model"``, ``"fsdp+model"``,
+  ``"data"``): the in-site collectives GSPMD inserted appear under the in-site
+  axes, the methods' under the site axis.
+  """
+  if placement.backend != "shard_map":
+    raise ValueError("traffic_by_axis needs backend='shard_map' (a mesh)")
+  out: dict[str, int] = {}
+  for op in collective_ops(compiled_text(run, state, placed_batch)):
+    key = "+".join(axes_of(placement, op.groups)) or "none"
+    out[key] = out.get(key, 0) + 8 * op.nbytes
+  return out
 
 
 def program_bits(run, state, placed_batch) -> tuple[int, int]:

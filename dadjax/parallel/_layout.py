@@ -14,9 +14,11 @@ come, per leaf, from the first of:
    ``rules`` or, without them, by the ``nn.logical_axis_rules`` context
    active when the step is built), NNX ``sharding`` metadata through
    :class:`dadjax.nnx.Model`;
-3. ``shard_params=True``: FSDP, each leaf split along :func:`shard_dims`'s
-   dimension over every in-site axis;
-4. whole (replicated) on every device of the site.
+3. whole (replicated) on every device of the site;
+
+and then, with ``shard_params=True`` (FSDP), each leaf is further split over
+the in-site axes its spec does not use, along its largest dimension they
+divide (:func:`with_fsdp`; a leaf with no spec: :func:`shard_dims`'s).
 
 The site axis never appears in an in-site spec: the sites hold replicas of
 one another (a rule or spec that names it is read as "replicated"), and so
@@ -157,20 +159,56 @@ def param_layout(params: Any, *, mesh_shape: dict, site_axis: str, inner: tuple[
   declared = metadata_specs(params, rules)
   if param_specs is not None:
     given = param_specs(arrays) if callable(param_specs) else param_specs
-    given = jax.tree.broadcast(given, arrays, is_leaf=lambda x: isinstance(x, P) or x is None)
-    declared = jax.tree.map(lambda g, d: d if g is None else g, given, declared,
-                            is_leaf=lambda x: isinstance(x, P) or x is None)
-  per_site = math.prod(mesh_shape[a] for a in inner) if inner else 1
-  inner_spec = inner[0] if len(inner) == 1 else tuple(inner)
-  fsdp = shard_dims(arrays, per_site) if shard_params else jax.tree.map(lambda _: None, arrays)
+    declared = jax.tree_util.tree_map_with_path(
+        lambda path, d: _spec_at(given, path, d), declared,
+        is_leaf=lambda x: isinstance(x, P) or x is None)
+  def spec(d, shape):
+    d = clean_spec(d, shape, mesh_shape, site_axis)
+    return with_fsdp(d, shape, mesh_shape, inner) if shard_params else d
 
-  def spec(d, dim, shape):
-    if d is None and dim is not None:
-      d = P(*([None] * dim), inner_spec)
-    return clean_spec(d, shape, mesh_shape, site_axis)
+  return jax.tree.map(spec, declared, shapes, is_leaf=lambda x: isinstance(x, P) or x is None)
 
-  return jax.tree.map(spec, declared, fsdp, shapes,
-                      is_leaf=lambda x: isinstance(x, P) or x is None)
+
+def _spec_at(given: Any, path: tuple, default: Any) -> Any:
+  """The spec ``given`` holds for a leaf path: a ``PartitionSpec`` met on the way down applies
+  to the whole subtree; a missing key or ``None`` leaves ``default``."""
+  node = given
+  for entry in path:
+    if isinstance(node, P) or node is None:
+      break
+    key = getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", None)))
+    try:
+      node = node[key] if not hasattr(entry, "name") else getattr(node, key)
+    except (KeyError, IndexError, TypeError, AttributeError):
+      return default
+  if node is not None and not isinstance(node, P):
+    raise ValueError(f"param_specs: expected a PartitionSpec or None at {leaf_path(path)}, got "
+                     f"{node!r}")
+  return default if node is None else node
+
+
+def with_fsdp(spec: P, shape: tuple[int, ...], mesh_shape: dict, inner: tuple[str, ...]) -> P:
+  """``spec`` further split over the in-site axes it does not use yet (FSDP).
+
+  The free axes split the largest dimension ``spec`` leaves whole that their
+  combined size divides (the first of equal ones), as :func:`shard_dims`
+  does for a whole leaf: a tensor-parallel kernel ``P(None, "model")`` on a
+  ``("fsdp", "model")`` site becomes ``P("fsdp", "model")``.
+  """
+  entries = list(tuple(spec) + (None,) * (len(shape) - len(tuple(spec))))
+  used = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+  free = tuple(a for a in inner if a not in used)
+  if not free:
+    return spec
+  size = _axis_size(mesh_shape, free)
+  dims = [i for i, n in enumerate(shape) if entries[i] is None and n >= size and n % size == 0]
+  if size == 1 or not dims:
+    return spec
+  dim = max(dims, key=lambda i: (shape[i], -i))
+  entries[dim] = free[0] if len(free) == 1 else free
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def mirror_specs(tree: Any, params: Any, param_specs: Any, default: Callable[[Any], P]) -> Any:

@@ -9,17 +9,20 @@ from jax.sharding import Mesh
 
 def make_mesh(num_sites: int | None = None, axis_name: str = "data", devices=None, *,
               sites: int | None = None, per_site: int | None = None,
-              inner_axis: str = "replica") -> Mesh:
-  """A 1-D mesh of sites, or a 2-D mesh of sites made of several devices.
+              inner_axis: str = "replica", inner: dict[str, int] | None = None) -> Mesh:
+  """A 1-D mesh of sites, or a mesh of sites made of several devices.
 
   ``make_mesh(4)`` is a 1-D mesh: 4 sites of one device each.
   ``make_mesh(sites=2, per_site=4)`` is a 2-D mesh with axes
   ``(axis_name, inner_axis)`` = ``("data", "replica")`` of shape ``(2, 4)``:
   site ``s`` is the devices ``devices[s * per_site:(s + 1) * per_site]``
   (on several hosts, ``jax.devices()`` lists each process's devices
-  together, so a process with ``per_site`` devices is one site). Every
-  dadjax method communicates over ``axis_name`` only; the train step
-  averages exactly over ``inner_axis`` (:func:`~dadjax.make_train_step`).
+  together, so a process with ``per_site`` devices is one site).
+  ``make_mesh(sites=2, inner={"fsdp": 2, "model": 2})`` gives a site
+  several named axes (shape ``(2, 2, 2)``, axes ``("data", "fsdp",
+  "model")``) for a model sharded by FSDP and tensor parallelism. Every
+  dadjax method communicates over ``axis_name`` only; inside a site the
+  sharding is GSPMD's (:func:`~dadjax.make_train_step`).
 
   For a TPU multi-slice job (slices joined by the data-center network),
   build the mesh so that the site axis runs across slices::
@@ -38,11 +41,16 @@ def make_mesh(num_sites: int | None = None, axis_name: str = "data", devices=Non
     sites: 2-D mesh: number of sites (default: all devices over ``per_site``).
     per_site: 2-D mesh: devices per site (``>= 1``).
     inner_axis: 2-D mesh: the in-site axis's name; default ``"replica"``.
+    inner: ``{axis name: size}`` of the in-site axes, in order (instead of
+      ``per_site`` and ``inner_axis``).
 
   Returns:
-    A ``jax.sharding.Mesh`` with one axis, or two (site axis first).
+    A ``jax.sharding.Mesh``, site axis first.
   """
   devices = list(jax.devices() if devices is None else devices)
+  if inner is not None:
+    return _named_inner_mesh(num_sites if sites is None else sites, axis_name, devices, inner,
+                             per_site)
   if sites is not None and num_sites is not None and sites != num_sites:
     raise ValueError(f"sites={sites} and num_sites={num_sites} disagree; pass one of them")
   if sites is None and per_site is None:
@@ -63,6 +71,22 @@ def make_mesh(num_sites: int | None = None, axis_name: str = "data", devices=Non
   if inner_axis == axis_name:
     raise ValueError(f"inner_axis must differ from axis_name, both are {axis_name!r}")
   return Mesh(np.array(devices[:n * per]).reshape(n, per), (axis_name, inner_axis))
+
+
+def _named_inner_mesh(sites, axis_name: str, devices: list, inner: dict, per_site) -> Mesh:
+  if per_site is not None:
+    raise ValueError("give the in-site axes either as per_site (one axis) or as inner, not both")
+  if not isinstance(inner, dict) or not inner or any(
+      not isinstance(k, str) or k == axis_name or isinstance(v, bool) or not isinstance(v, int)
+      or v < 1 for k, v in inner.items()):
+    raise ValueError(f"inner must be a non-empty dict of in-site axis name -> size >= 1, names "
+                     f"other than {axis_name!r}, got {inner!r}")
+  per = int(np.prod(list(inner.values())))
+  n = len(devices) // per if sites is None else sites
+  if isinstance(n, bool) or not (isinstance(n, int) and 1 <= n * per <= len(devices)):
+    raise ValueError(f"sites must be an int in [1, {len(devices) // per}] ({len(devices)} "
+                     f"devices / {per} per site), got {n}")
+  return Mesh(np.array(devices[:n * per]).reshape(n, *inner.values()), (axis_name, *inner))
 
 
 def initialize(

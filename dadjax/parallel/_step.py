@@ -17,7 +17,8 @@ from dadjax._core.collections import CollectionRule
 from dadjax.comm import COMM_COLLECTION, host_array, ledger_init
 from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger as _check_ledger,
                                       collectives as _collectives, link_of as _link_of,
-                                      program_bits as _program_bits)
+                                      program_bits as _program_bits,
+                                      traffic_by_axis as _traffic_by_axis)
 from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._rows import check_sites as _check_sites, local_sites as _local_sites
@@ -242,6 +243,18 @@ class TrainStep:
         those within one site (:meth:`link_of`).
     """
     return _collectives(self._run, self.placement, state, self.place_batch(batch, sites), link)
+
+  def traffic_by_axis(self, state: TrainState, batch: Any,
+                      sites: Sequence[int] | None = None) -> dict[str, int]:
+    """Operand bits per device and step of the compiled collectives, by the mesh axes they span.
+
+    On a mesh whose sites are groups of devices, the in-site collectives
+    (GSPMD's: FSDP's gathers and reduce-scatters, tensor parallelism's
+    all-reduces) are keyed by their in-site axes (``"model"``,
+    ``"fsdp+model"``) and the methods' by the site axis; ops in both
+    branches of a ``lax.cond`` are counted. Compiles the step once.
+    """
+    return _traffic_by_axis(self._run, self.placement, state, self.place_batch(batch, sites))
 
   def link_of(self, groups) -> str:
     """Which links a collective with these replica groups uses (shard_map backend).
