@@ -1,4 +1,4 @@
-"""The ``dadjax`` command: ``dadjax train``, ``demo``, ``methods``, ``plot`` and ``netlab``.
+"""The ``dadjax`` command: ``train``, ``dryrun``, ``demo``, ``methods``, ``plot`` and ``netlab``.
 
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
@@ -105,6 +105,17 @@ def _parser() -> argparse.ArgumentParser:
   p_plot.add_argument("--out", help="image to write (default: RUN_DIR/decisions.png)")
   p_plot.set_defaults(handler=_plot)
   _debug_flag(p_plot)
+  p_dry = sub.add_parser("dryrun", help="per-device memory of a GPT config's step (parameters, "
+                         "optimizer, activations) from shapes alone: nothing allocated")
+  p_dry.add_argument("config", help="TOML or JSON train config whose model is a gpt_* size")
+  p_dry.add_argument("overrides", nargs="*", help="key=value config overrides")
+  p_dry.add_argument("--mesh", help="mesh axes, e.g. data=2,fsdp=16,model=1 (default: "
+                     "data=num_sites, fsdp=per_site)")
+  p_dry.add_argument("--rules", choices=("fsdp", "tp", "fsdp_tp", "replicated"),
+                     help="logical axis rules (default fsdp; fsdp_tp with a model axis)")
+  p_dry.add_argument("--hbm-gib", type=float, help="device memory to compare with, GiB")
+  p_dry.set_defaults(handler=_dryrun)
+  _debug_flag(p_dry)
   p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
   _plugin_flag(p_methods)
   p_methods.set_defaults(handler=_methods)
@@ -193,6 +204,17 @@ def _train(args: argparse.Namespace) -> int:
   return 0
 
 
+def _dryrun(args: argparse.Namespace) -> int:
+  from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
+  from dadjax.models import gpt_dry_run  # pylint: disable=g-import-not-at-top
+  try:
+    config = load_config(args.config, args.overrides)
+    print(gpt_dry_run(config, mesh=args.mesh, rules=args.rules, hbm_gib=args.hbm_gib))
+  except ValueError as e:
+    raise DadjaxError(str(e)) from None
+  return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
   _simulate_devices(DEFAULT_DEVICES)
   from dadjax.demo import DEFAULT_METHODS, run_demo  # pylint: disable=g-import-not-at-top
@@ -224,10 +246,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _parse(argv) -> argparse.Namespace:
-  """Parse ``argv``; ``train``'s ``key=value`` overrides may sit between its flags."""
+  """Parse ``argv``; ``train``'s (``dryrun``'s) ``key=value`` overrides may sit between flags."""
   parser = _parser()
   args, extra = parser.parse_known_args(argv)
-  if extra and getattr(args, "command", None) == "train":
+  if extra and getattr(args, "command", None) in ("train", "dryrun"):
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if not stray:
       args.overrides = [*args.overrides, *extra]

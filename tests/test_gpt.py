@@ -1,0 +1,284 @@
+"""The GPT decoder (dadjax.models.GPT): scanned / rematerialized blocks, logical partitioning,
+dAD through dot_general_cls, the FSDP / TP rules, and the dry run's memory numbers."""
+
+import functools
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dadjax import cli, dad, models
+from dadjax.config import load_config
+from dadjax.models import GPT, gpt_memory, gpt_rules, make_gpt
+
+TINY = models.gpt_config("gpt_tiny")
+
+
+def _tokens(shape, seed=0, vocab=256):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=shape), jnp.int32)
+
+
+def _loss(model, params, x, y, **apply_kw):
+  logits = model.apply({"params": params}, x, **apply_kw)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _count(fields: dict) -> int:
+  """Parameters of a GPT from its fields, counted by hand (no Flax)."""
+  d, m, v, n = fields["d_model"], fields["mlp_dim"], fields["vocab_size"], fields["num_layers"]
+  block = 4 * d * d + 2 * d * m + 2 * 2 * d  # q, k, v, out; mlp in, out; two LayerNorms
+  total = v * d + n * block + 2 * d  # embedding, blocks, final LayerNorm
+  if fields["positions"] == "learned":
+    total += fields["max_len"] * d
+  if not fields["tie_embeddings"]:
+    total += d * v
+  return total
+
+
+def test_gpt_tiny_init_apply_shapes_and_causality():
+  model = models.get_model("gpt_tiny", 10)  # registered by name; num_classes is not a field
+  x = _tokens((3, 12))
+  variables = model.init(jax.random.key(0), x)
+  logits = model.apply(variables, x)
+  chex.assert_shape(logits, (3, 12, TINY["vocab_size"]))
+  assert logits.dtype == jnp.float32
+  params = nn.unbox(variables["params"])
+  n = TINY["num_layers"]
+  chex.assert_shape(params["layers"]["query"]["kernel"], (n, 64, 4, 16))
+  chex.assert_shape(params["layers"]["mlp_in"]["kernel"], (n, 64, 256))
+  assert models.gpt_param_count(model) == _count(TINY)
+  # Position t sees tokens 0..t only.
+  x2 = x.at[:, 7:].set((x[:, 7:] + 1) % 256)
+  chex.assert_trees_all_close(model.apply(variables, x2)[:, :7], logits[:, :7], atol=1e-5)
+  assert not np.allclose(model.apply(variables, x2)[:, 7:], logits[:, 7:])
+
+
+def test_every_parameter_is_logically_named_and_scanned_kernels_lead_with_layers():
+  model = make_gpt("gpt_tiny", tie_embeddings=False, positions="learned")
+  boxed = model.init(jax.random.key(0), _tokens((2, 8)))["params"]
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+  specs = nn.get_partition_spec(boxed)
+  layers = specs["layers"]
+  assert layers["query"]["kernel"] == P("layers", "embed", "heads", "kv")
+  assert layers["out"]["kernel"] == P("layers", "heads", "kv", "embed")
+  assert layers["mlp_in"]["kernel"] == P("layers", "embed", "mlp")
+  assert layers["mlp_out"]["kernel"] == P("layers", "mlp", "embed")
+  assert layers["ln_attn"]["scale"] == P("layers", "embed")
+  assert specs["embed"]["embedding"] == P("vocab", "embed")
+  assert specs["head"]["kernel"] == P("embed", "vocab")
+  assert specs["pos_embed"] == P(None, "embed")
+  # The placement reads the stacking axis from the same metadata.
+  from dadjax.parallel import layer_axes_of  # pylint: disable=g-import-not-at-top
+  axes = layer_axes_of(boxed)
+  assert axes and set(axes.values()) == {0} and all(k.startswith("layers") for k in axes)
+
+
+def test_tied_and_untied_parameter_counts():
+  tied, untied = make_gpt("gpt_tiny"), make_gpt("gpt_tiny", tie_embeddings=False)
+  x = _tokens((2, 8))
+  p_tied = nn.unbox(tied.init(jax.random.key(0), x)["params"])
+  p_untied = nn.unbox(untied.init(jax.random.key(0), x)["params"])
+  assert "head" not in p_tied and p_untied["head"]["kernel"].shape == (64, 256)
+  d, v = TINY["d_model"], TINY["vocab_size"]
+  assert models.gpt_param_count(untied) - models.gpt_param_count(tied) == d * v
+  for name in ("gpt_cpu", "gpt_125m", "gpt_1b"):
+    assert models.gpt_param_count(make_gpt(name)) == _count(models.gpt_config(name))
+  assert models.gpt_param_count(make_gpt("gpt_cpu")) >= 5_000_000
+
+
+def test_rotary_and_learned_positions():
+  x = _tokens((2, 16))
+  rotary, learned = make_gpt("gpt_tiny"), make_gpt("gpt_tiny", positions="learned")
+  p_r = nn.unbox(rotary.init(jax.random.key(0), x)["params"])
+  p_l = nn.unbox(learned.init(jax.random.key(0), x)["params"])
+  assert "pos_embed" not in p_r and p_l["pos_embed"].shape == (TINY["max_len"], TINY["d_model"])
+  # Same weights, different position coding: different outputs.
+  shared = {k: v for k, v in p_l.items() if k != "pos_embed"}
+  assert not np.allclose(rotary.apply({"params": shared}, x),
+                         learned.apply({"params": p_l}, x), atol=1e-4)
+  # Rotary scores depend on the offset only: <R_i q, R_j k> == <R_{i+s} q, R_{j+s} k>.
+  from dadjax.models._gpt import _rotary  # pylint: disable=g-import-not-at-top
+  q, k = (jax.random.normal(jax.random.key(i), (1, 1, 2, 16)) for i in (1, 2))
+  score = lambda i, j: jnp.sum(_rotary(q, jnp.array([i])) * _rotary(k, jnp.array([j])), -1)
+  np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-4, atol=1e-5)
+  assert not np.allclose(score(3, 1), score(3, 2), atol=1e-3)
+  with pytest.raises(ValueError, match="positions"):
+    make_gpt("gpt_tiny", positions="alibi")
+
+
+def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
+  x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
+  ref = make_gpt("gpt_tiny", remat="none")
+  params = nn.unbox(ref.init(jax.random.key(0), x)["params"])
+  want = jax.jit(jax.value_and_grad(functools.partial(_loss, ref)))(params, x, y)
+  for remat in ("nothing_saveable", "dots_with_no_batch_dims_saveable"):
+    got = jax.jit(jax.value_and_grad(functools.partial(_loss, make_gpt("gpt_tiny", remat=remat))))(
+        params, x, y)
+    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)
+  # The unrolled twin with the stacked parameters split per layer.
+  unrolled = make_gpt("gpt_tiny", scan_layers=False)
+  split = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(TINY["num_layers"]):
+    split[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+  chex.assert_trees_all_close(jax.jit(functools.partial(_loss, unrolled))(split, x, y), want[0],
+                              atol=1e-6, rtol=1e-5)
+  with pytest.raises(ValueError, match="remat"):
+    make_gpt("gpt_tiny", remat="save_only_these_names")
+
+
+def test_bf16_compute_keeps_fp32_parameters_and_gradients():
+  x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
+  model = make_gpt("gpt_tiny", dtype="bfloat16")
+  params = nn.unbox(model.init(jax.random.key(0), x)["params"])
+  assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  loss, grads = jax.jit(jax.value_and_grad(functools.partial(_loss, model)))(params, x, y)
+  assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  jaxpr = str(jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params))
+  assert "bf16" in jaxpr and model.apply({"params": params}, x).dtype == jnp.float32
+  # bf16 rounding moves the loss a little, not a lot.
+  ref = jax.jit(functools.partial(_loss, make_gpt("gpt_tiny")))(params, x, y)
+  assert abs(float(loss) - float(ref)) < 0.05 and np.isfinite(float(loss))
+  with pytest.raises(ValueError, match="dtype"):
+    make_gpt("gpt_tiny", dtype="int8")
+
+
+@pytest.mark.parametrize("sites", [1, 2])
+def test_dad_dot_general_gradient_equals_the_plain_gradient(sites):
+  # vmap over the site axis "data": with exact dAD every dense kernel's gradient is the mean
+  # over the sites of the plain per-site gradients (1 site: plain jax.grad itself); the
+  # embedding and LayerNorms are not dAD layers and keep their local gradient.
+  x, y = _tokens((sites, 2, 8)), _tokens((sites, 2, 8), seed=1)
+  plain = make_gpt("gpt_tiny", tie_embeddings=False)
+  params = nn.unbox(plain.init(jax.random.key(0), x[0])["params"])
+  local = jax.jit(jax.vmap(jax.grad(functools.partial(_loss, plain)), in_axes=(None, 0, 0)))(
+      params, x, y)
+  model = make_gpt("gpt_tiny", tie_embeddings=False, dot_general_cls=dad.DotGeneral)
+
+  def dad_grad(x, y):
+    def loss(p):
+      logits, _ = model.apply({"params": p}, x, mutable=["dad_state", "comm"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return jax.grad(loss)(params)
+
+  got = jax.jit(jax.vmap(dad_grad, axis_name="data"))(x, y)
+  mean = jax.tree.map(lambda g: g.mean(0), local)
+  for path in (("layers", "query"), ("layers", "out"), ("layers", "mlp_in"),
+               ("layers", "mlp_out"), ("head",)):
+    g, m = functools.reduce(dict.__getitem__, path, got), functools.reduce(dict.__getitem__,
+                                                                          path, mean)
+    for s in range(sites):
+      chex.assert_trees_all_close(g["kernel"][s], m["kernel"], atol=1e-5, rtol=1e-4)
+  chex.assert_trees_all_close(got["embed"], local["embed"], atol=1e-6)
+
+
+def test_a_dad_methods_factory_reaches_every_projection():
+  factory = dad.DenseFactory(axis_name="data")
+  model = models.get_model("gpt_tiny", 256, dense=factory)
+  params = model.init(jax.random.key(0), _tokens((2, 8)))["params"]
+  mask = factory.mask(nn.unbox(params))
+  assert all(mask["layers"][n]["kernel"] for n in ("query", "key", "value", "out", "mlp_in",
+                                                   "mlp_out"))
+  assert not any(jax.tree.leaves(mask["embed"])) and not any(jax.tree.leaves(mask["ln_final"]))
+  with pytest.raises(ValueError, match="dense"):
+    GPT(dense=lambda *a, **k: None)
+
+
+def _spec(rules, names):
+  return P(*nn.logical_to_mesh_axes(names, rules))
+
+
+def test_rules_give_fsdp_tp_and_both():
+  for kind in ("fsdp", "tp", "fsdp_tp", "replicated"):
+    rules = gpt_rules(kind)
+    assert "data" not in str(rules)  # the site axis is manual
+    names = {n for n, _ in rules}
+    assert {"batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers"} <= names
+  fsdp, tp, both = gpt_rules("fsdp"), gpt_rules("tp"), gpt_rules("fsdp_tp")
+  mlp_in, out = ("layers", "embed", "mlp"), ("layers", "heads", "kv", "embed")
+  act = ("batch", "length", "embed")
+  assert _spec(fsdp, mlp_in) == P(None, "fsdp", None)
+  assert _spec(fsdp, act) == P("fsdp", None, None)  # batch over fsdp; embed then stays whole
+  assert _spec(tp, mlp_in) == P(None, None, "model")  # column-parallel
+  assert _spec(tp, ("layers", "mlp", "embed")) == P(None, "model", None)  # row-parallel
+  assert _spec(tp, out) == P(None, "model", None, None)
+  assert _spec(tp, act) == P(None, None, None)
+  assert _spec(both, mlp_in) == P(None, "fsdp", "model")
+  assert _spec(both, ("batch", "length", "mlp")) == P("fsdp", None, "model")
+  assert _spec(both, ("vocab", "embed")) == P("model", "fsdp")
+  with pytest.raises(ValueError, match="kind"):
+    gpt_rules("zero3")
+
+
+def test_gpt_memory_equals_an_independent_count():
+  fields = models.gpt_config("gpt_125m")
+  count = _count(fields)
+  mem = gpt_memory("gpt_125m", {"data": 2, "fsdp": 16, "model": 1}, "fsdp", batch_per_site=16,
+                   seq_len=1024)
+  assert mem.param_count == count
+  # Every parameter has an "embed" axis (768 = 48 x 16): split 16 ways.
+  assert mem.params == count * 4 // 16 and mem.grads == mem.params
+  assert mem.optimizer == 2 * mem.params
+  assert mem.specs["layers"]["mlp_in"]["kernel"] == P(None, "fsdp")
+  assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations
+  assert mem.fits(16 * 2**30)
+  # TP: mlp / heads / vocab kernels split 4 ways, LayerNorms whole.
+  tp = gpt_memory("gpt_125m", {"data": 2, "model": 4}, "tp", batch_per_site=16, seq_len=1024)
+  d, m, n, v = 768, 3072, 12, fields["vocab_size"]
+  whole = fields["max_len"] * d + n * 4 * d + 2 * d
+  assert tp.params == 4 * ((count - whole) // 4 + whole)
+  assert tp.specs["layers"]["out"]["kernel"] == P(None, "model")
+  assert 2 * gpt_memory("gpt_125m", {"data": 1}, "fsdp", batch_per_site=16).activations > (
+      gpt_memory("gpt_125m", {"data": 1}, "fsdp", batch_per_site=8).activations)
+  assert gpt_memory("gpt_tiny", {"data": 8}, sites_per_device=8).params == 8 * 4 * _count(TINY)
+  with pytest.raises(ValueError, match="site axis"):
+    gpt_memory("gpt_tiny", {"data": 2, "fsdp": 4}, (("embed", "data"),))
+  with pytest.raises(ValueError, match="mesh_shape"):
+    gpt_memory("gpt_tiny", {"fsdp": 4})
+  with pytest.raises(ValueError, match="seq_len"):
+    gpt_memory("gpt_tiny", seq_len=10 ** 6)
+  del v
+
+
+@pytest.mark.parametrize("model, mesh", [("gpt_1b", None), ("gpt_1b", "data=2,fsdp=4,model=4"),
+                                         ("gpt_125m", None)])
+def test_the_dryrun_command_prints_memory_that_fits_v5e(capsys, model, mesh):
+  argv = ["dryrun", "experiments/configs/gpt_v5e.toml", f"model={model}", "--hbm-gib", "16"]
+  if model == "gpt_125m":
+    argv.append('dataset_kwargs={"seq_len": 1024}')
+  if mesh:
+    argv += ["--mesh", mesh]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert f"model={model}" in out and "fits in 16 GiB HBM" in out and "NOT" not in out
+  count = models.gpt_param_count(make_gpt(model))
+  assert f"{count:,}" in out
+  assert cli.main(["dryrun", "experiments/configs/gpt_v5e.toml", "--mesh", "data=two"]) == 2
+
+
+def test_the_configs_load_and_name_gpt_models():
+  for name in ("gpt_cpu", "gpt_gpu", "gpt_v5e"):
+    config = load_config(f"experiments/configs/{name}.toml")
+    assert config.model in models.GPT_CONFIGS
+  v5e = load_config("experiments/configs/gpt_v5e.toml")
+  assert (v5e.num_sites, v5e.per_site) == (2, 16)
+
+
+def test_gpt_tiny_trains_from_a_config(tmp_path):
+  from dadjax.config import Config  # pylint: disable=g-import-not-at-top
+  from dadjax.train import train  # pylint: disable=g-import-not-at-top
+  line = b"the quick brown fox jumps over the lazy dog. "
+  for i in range(12):
+    (tmp_path / f"f{i}.txt").write_bytes(line * (20 + i))
+  cfg = Config(dataset=f"text:{tmp_path}/*.txt", dataset_kwargs={"seq_len": 16},
+               model="gpt_tiny", num_sites=2, batch_per_site=8, steps=20, eval_every=20,
+               backend="vmap", optimizer="adam", lr=1e-2, partition="by_class")
+  final = train(cfg, progress=False).final
+  # Untrained: about 8 bits per byte; the repeated line is learnt within 20 steps.
+  assert final["test_bits_per_byte"] < 6.0 and math.isfinite(final["train_bits_per_byte"])
