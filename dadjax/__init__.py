@@ -33,15 +33,17 @@ from dadjax.compress import (
     topk,
 )
 from dadjax.methods import build_method
+from dadjax._core.layers import per_layer, stacked_layers
 from dadjax.parallel import TrainState, TrainStep, initialize, make_mesh, make_train_step
 from dadjax.registry import Method, SpecError
 from dadjax.stage import BatchStage
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     # subpackages
-    "comm", "compress", "dad", "data", "extend", "local", "models", "parallel", "registry",
+    "adaptive", "comm", "compress", "dad", "data", "dataquant", "extend", "local", "models",
+    "parallel", "registry",
     # protocols
     "Compressor", "Method", "BatchStage",
     # methods by name
@@ -54,4 +56,6 @@ __all__ = [
     "comm_stats", "CommStats", "CommSummary", "NetworkModel",
     # the train step
     "make_train_step", "TrainStep", "TrainState", "make_mesh", "initialize",
+    # layers stacked by nn.scan
+    "stacked_layers", "per_layer",
 ]

@@ -13,6 +13,14 @@ With several processes, JAX's preemption service owns SIGTERM (it is
 installed by ``jax.distributed.initialize`` and tells every process); the
 loop asks :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
 after each step, so that every process stops at, and saves, the same step.
+That step, JAX's sync point, is chosen by the processes through the
+coordination service after the signal: one past the furthest step any of
+them has reached by then, typically 1-3 s after the signal. A sync point
+that would fall after the last step is never reached, so after the last
+step the processes agree once more (:meth:`StopOnSignal.stop_at_end`): if any
+of them received a signal (JAX's preemption notice, or SIGINT), every one
+stops there, with that last step saved, and exits ``128 + signal`` like any
+other stop; a signal is never absorbed into a normal exit.
 """
 
 from __future__ import annotations
@@ -24,6 +32,12 @@ import threading
 from typing import Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The key under which JAX's preemption notifier records a notice in the coordination
+# service (XLA's preemption_notifier); read once, after the last step.
+_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+_END_PREFIX = "dadjax/stop_at_end"
+_END_TIMEOUT_MS = 3_600_000  # a slow peer still writing its last checkpoint is waited for;
+# a lost one ends the run through the peer watch (dadjax/_peers.py) long before this
 
 
 def _say(message: str) -> None:
@@ -52,8 +66,12 @@ class StopOnSignal:
   nothing.
   """
 
+  _runs = 0  # train() calls so far (the same sequence in every process)
+
   def __init__(self, grace_s: float, *, enabled: bool = True, multi_process: bool = False,
                last_checkpoint: Callable[[], int | None] = lambda: None):
+    StopOnSignal._runs += 1
+    self._run = StopOnSignal._runs
     self.grace_s = grace_s
     self.enabled = enabled
     self.multi_process = multi_process
@@ -129,3 +147,39 @@ class StopOnSignal:
         pass
       return False
     return self.signum is not None
+
+  def stop_at_end(self, step: int) -> bool:
+    """After the last step: whether a signal came that the run did not stop for yet.
+
+    With one process, whether a signal arrived during the last step. With
+    several, every process says whether it received one (JAX's preemption
+    notice in the coordination service, or its own SIGINT), they meet at a
+    barrier and all read the same answers: every process stops, or none.
+    """
+    self.step = step
+    if not self.enabled:
+      return False
+    if not self.multi_process:
+      return self.signum is not None
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    if client is None:
+      return self.signum is not None
+    import jax  # pylint: disable=g-import-not-at-top
+    mine = self.signum is not None or _has_key(client, _NOTICE_KEY)
+    prefix = f"{_END_PREFIX}/{self._run}"
+    client.key_value_set(f"{prefix}/{jax.process_index()}", "1" if mine else "0",
+                         allow_overwrite=True)
+    client.wait_at_barrier(prefix, _END_TIMEOUT_MS)
+    stop = any(client.blocking_key_value_get(f"{prefix}/{p}", _END_TIMEOUT_MS) == "1"
+               for p in range(jax.process_count()))
+    if stop:
+      self.signum = self.signum or signal.SIGTERM
+    return stop
+
+
+def _has_key(client, key: str) -> bool:
+  try:
+    return client.key_value_try_get(key) is not None
+  except Exception:  # pylint: disable=broad-except  (NOT_FOUND: no notice)
+    return False

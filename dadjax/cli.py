@@ -3,6 +3,19 @@
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
 shows the traceback instead.
+
+``dadjax train`` over several processes (``--coordinator``, ``--num-processes``,
+``--process-id`` or ``--distributed``) supervises its own worker: the command
+runs itself again as a child process and waits for it. JAX's coordination
+client aborts a process (SIGABRT, from C++, with no way for Python to
+intervene: its ``missed_heartbeat_callback`` cannot be given from Python in
+jax 0.10) as soon as the coordination service, hosted by process 0, goes
+away; JAX documents that losing process 0 ends every process. The supervisor
+turns that abort into the same line as any lost process (``dadjax: error:
+process 0 stopped responding at step N (...); the last checkpoint is step M;
+restart all processes to resume``, exit code 2); it forwards SIGTERM, SIGINT,
+SIGHUP, SIGUSR1 and SIGUSR2 to the worker, passes the worker's exit code on,
+and takes the worker down with it if the supervisor itself is killed (Linux).
 """
 
 from __future__ import annotations
@@ -16,6 +29,11 @@ import traceback
 from dadjax.errors import DadjaxError, Stopped
 
 DEFAULT_DEVICES = 8
+_SUPERVISED_ENV = "DADJAX_SUPERVISED"  # set in the supervised worker (see _supervise)
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+# What JAX's coordination client logs right before it aborts the process.
+_JAX_ABORT = (b"Polled an error from coordination service",
+              b"Terminating process because the JAX distributed service detected fatal errors")
 
 
 def _simulate_devices(n: int) -> None:
@@ -179,7 +197,14 @@ def _plot(args: argparse.Namespace) -> int:
   return 0
 
 
+def _many_processes(args: argparse.Namespace) -> bool:
+  return args.distributed is not None or any(
+      v is not None for v in (args.coordinator, args.num_processes, args.process_id))
+
+
 def _train(args: argparse.Namespace) -> int:
+  if _many_processes(args) and not os.environ.get(_SUPERVISED_ENV):
+    return _supervise(args.argv, args.process_id)
   from dadjax.config import load_config  # pylint: disable=g-import-not-at-top
   config = load_config(args.config, args.overrides)
   # Many processes: each brings its own devices (on CPU: XLA_FLAGS' device count).
@@ -202,6 +227,141 @@ def _train(args: argparse.Namespace) -> int:
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.shutdown()
   return 0
+
+
+def _supervise(argv: list[str], process_id: int | None) -> int:
+  """Run ``dadjax ARGV`` as a supervised child process; return its exit code.
+
+  The child's stdout is this process's; its stderr passes through here, so
+  that JAX's abort (its log lines and stack dump) can be replaced by one
+  ``dadjax: error:`` line naming the lost process, the step and the last
+  checkpoint (the child's peer watch reports those on a pipe).
+
+  Args:
+    argv: the command line to run again (``train ...``).
+    process_id: this process's rank, if given (to name the other one).
+
+  Returns:
+    The child's exit code; 2 when JAX aborted it because a process was lost;
+    ``128 + signal`` when it died of another signal.
+  """
+  import re  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  from dadjax._peers import STATUS_FD_ENV  # pylint: disable=g-import-not-at-top
+  status_r, status_w = os.pipe()
+  env = {**os.environ, _SUPERVISED_ENV: "1", STATUS_FD_ENV: str(status_w)}
+  try:
+    child = subprocess.Popen([sys.executable, "-m", "dadjax.cli", *argv], env=env,
+                             stderr=subprocess.PIPE, pass_fds=(status_w,),
+                             process_group=0,  # a terminal's Ctrl-C reaches it once, from here
+                             preexec_fn=_die_with_parent())
+  finally:
+    os.close(status_w)
+  forwarded: list[int] = []
+
+  def forward(signum, frame):
+    del frame
+    forwarded.append(signum)
+    try:
+      child.send_signal(signum)
+    except ProcessLookupError:
+      pass
+
+  for name in _FORWARDED:
+    signal.signal(getattr(signal, name), forward)
+  status = ["0", None]  # the child's step and last checkpoint
+
+  def read_status():
+    pending = b""
+    while chunk := os.read(status_r, 4096):
+      *lines, pending = (pending + chunk).split(b"\n")
+      if lines:
+        step, kept = lines[-1].decode().split()
+        status[:] = [step, None if kept == "-" else kept]
+    os.close(status_r)
+
+  reader = threading.Thread(target=read_status, daemon=True)
+  reader.start()
+  out = sys.stderr.buffer
+  seen = b""  # the last bytes passed on, to find a marker cut across two reads
+  held = b""  # from JAX's abort on: kept back, only dadjax's own lines are passed on
+  aborting = False
+  said = False  # the child printed a lost process's line itself
+  fd = child.stderr.fileno()
+  while chunk := os.read(fd, 65536):
+    if not aborting:
+      both = seen + chunk
+      at = min((i for i in (both.find(m) for m in _JAX_ABORT) if i >= 0), default=-1)
+      if at >= 0:
+        aborting = True
+        start = max(both.rfind(b"\n", 0, at) + 1, len(seen))
+        chunk, held = both[len(seen):start], both[start:]
+      out.write(chunk)
+      out.flush()
+      said = said or re.search(rb"dadjax: error: process \d+ (stopped responding|failed)",
+                               seen + chunk) is not None
+      seen = (seen + chunk)[-400:]
+    else:
+      held += chunk
+  own = [line for line in held.split(b"\n") if line.startswith(b"dadjax:")]
+  for line in own:
+    out.write(line + b"\n")
+  out.flush()
+  said = said or any(re.match(rb"dadjax: error: process \d+ ", line) for line in own)
+  code = child.wait()
+  reader.join(2)
+  if code >= 0:
+    return code
+  signum = -code
+  step, kept = status
+  kept_text = (f"the last checkpoint is step {kept}" if kept is not None
+               else "no checkpoint was finished")
+  if aborting and signum == signal.SIGABRT:
+    if not said:
+      text = held.decode(errors="replace")
+      why = re.search(r"absl::Status: ([^\n]*)", text) or re.search(
+          r"coordination service[^\n]*?\] ([^\n]*)", text)
+      why = (why.group(1) if why else "it aborted this process").strip()
+      why = why if len(why) <= 160 else why[:157] + "..."
+      tasks = {int(t) for t in re.findall(r"/task:(\d+)", text)} - {process_id}
+      lost = min(tasks) if tasks else 0
+      print(f"dadjax: error: process {lost} stopped responding at step {step} (JAX's "
+            f"coordination service: {why}); {kept_text}; restart all processes to resume",
+            file=sys.stderr, flush=True)
+    return 2
+  if signum in forwarded:  # a forwarded signal the worker leaves as usual: end the same way
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+  try:
+    name = signal.Signals(signum).name
+  except ValueError:
+    name = f"signal {signum}"
+  print(f"dadjax: error: the training process (pid {child.pid}) was killed by {name} at step "
+        f"{step} (from outside, or the system ran out of memory); {kept_text}",
+        file=sys.stderr, flush=True)
+  return 128 + signum
+
+
+def _die_with_parent():
+  """A ``preexec_fn`` that has the kernel kill the child when this process dies (Linux)."""
+  if not sys.platform.startswith("linux"):
+    return None
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+  except (OSError, AttributeError):
+    return None
+  parent = os.getpid()
+
+  def setup():
+    prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+      os._exit(137)  # pylint: disable=protected-access
+
+  return setup
 
 
 def _dryrun(args: argparse.Namespace) -> int:
@@ -264,8 +424,11 @@ def main(argv=None) -> int:
 
   Output cut short by its reader (``dadjax methods | head``) ends quietly.
   """
+  argv = list(sys.argv[1:] if argv is None else argv)
   try:
-    code = _run(_parse(argv))
+    args = _parse(argv)
+    args.argv = argv  # a supervised `train` runs the same command line again
+    code = _run(args)
     sys.stdout.flush()
     return code
   except BrokenPipeError:

@@ -9,9 +9,7 @@
   :func:`bits_from_count`, :func:`bits_zero`, :func:`bits_to_int`,
   :func:`host_array`, :func:`tree_bits`.
 - **Metered collectives**: :func:`metered_psum`, :func:`metered_pmean`,
-  :func:`metered_all_gather`, and for parameters sharded within a site
-  :func:`metered_gather_shards` / :func:`metered_mean_scatter`, return
-  ``(result, Traffic)``; :class:`Traffic`, :data:`NO_TRAFFIC`,
+  :func:`metered_all_gather` return ``(result, Traffic)``; :class:`Traffic`, :data:`NO_TRAFFIC`,
   :func:`traffic_add`. Every new collective goes through them, so the
   ledger counts what was sent.
 - **Sharded parameters** (``make_train_step(..., shard_params=True)``): a
@@ -55,8 +53,8 @@ from dadjax._core.shards import (leaf_shard, require_whole_leaves, shard_axes, s
                                  whole_max, whole_size, whole_sum)
 from dadjax.comm._ledger import (FP32_BITS, find_comm_stats, ledger_init, ledger_record,
                                  tree_dense_bits)
-from dadjax.comm._metered import (NO_TRAFFIC, Traffic, metered_all_gather, metered_gather_shards,
-                                  metered_mean_scatter, metered_pmean, metered_psum, traffic_add)
+from dadjax.comm._metered import (NO_TRAFFIC, Traffic, metered_all_gather, metered_pmean,
+                                  metered_psum, traffic_add)
 from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
 from dadjax.compress._base import (Exchanged, Keys, as_keys, exchange, leafwise,
                                    one_round_exchange, step_keys)
@@ -85,7 +83,7 @@ __all__ = [
     "Bits", "bits_add", "bits_const", "bits_from_count", "bits_reduce", "bits_sum", "bits_to_int",
     "bits_zero", "host_array", "tree_bits",
     # metered collectives
-    "Traffic", "NO_TRAFFIC", "metered_all_gather", "metered_gather_shards", "metered_mean_scatter",
+    "Traffic", "NO_TRAFFIC", "metered_all_gather",
     "metered_pmean", "metered_psum", "traffic_add",
     # parameters sharded within a site
     "require_whole_leaves", "shard_axes", "leaf_shard", "whole_sum", "whole_max", "whole_size",

@@ -199,8 +199,15 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
   with _signals.StopOnSignal(config.signal_grace_s, enabled=config.checkpoint_on_signal,
                              multi_process=jax.process_count() > 1,
                              last_checkpoint=kept) as stop, \
-       _peers.PeerWatch(config.peer_timeout_s, step=lambda: stop.step, last_checkpoint=kept):
-    return _train(config, progress, log, restart, stop, stores)
+       _peers.PeerWatch(config.peer_timeout_s, step=lambda: stop.step,
+                        last_checkpoint=kept) as watch:
+    try:
+      return _train(config, progress, log, restart, stop, stores)
+    except Exception as e:  # pylint: disable=broad-except
+      # A collective (finite check, metrics, evaluation, a checkpoint's agreement or save)
+      # that failed because a peer is gone: the watch names that peer and ends the process.
+      watch.confirm(e)
+      raise
 
 
 def _train(config: Config, progress: bool, log, restart: bool, stop, stores: list) -> Run:
@@ -273,7 +280,7 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
           log(row)
       if save_now:
         store.save(done, state, wall_s=wall0 + time.perf_counter() - t0, row=last_row)
-      if done < config.steps and stop.stop_at(done):
+      if stop.stop_at(done) if done < config.steps else stop.stop_at_end(done):
         _stop_on_signal(config, store, stop, state, metrics, done, saved=save_now,
                         wall_s=wall0 + time.perf_counter() - t0, row=last_row)
   finally:
@@ -292,7 +299,9 @@ def _stop_on_signal(config: Config, store, stop, state, metrics, step: int, *, s
       _check_finite(metrics, step, config, store)
       store.save(step, state, wall_s=wall_s, row=row)
     store.close()  # waits for every write (also an earlier one still in flight)
-    what = (f"checkpoint {step} saved in {store.directory}; rerun the same command to resume")
+    what = (f"checkpoint {step} saved in {store.directory}; "
+            + ("rerun the same command to resume" if step < config.steps else
+               "that is the last step: the run is complete (a rerun has nothing to do)"))
     kept = step
   else:
     what = "no checkpoint_dir is set, so nothing was saved"

@@ -51,10 +51,12 @@ def main():
     state, _ = ts(state, batch)
   params = ts.params(state)
   summary = dadjax.comm_stats(state.opt_state)
-  intra = dadjax.comm_stats(state).intra_bits_per_step
+  # how much of the largest parameter one device holds (FSDP splits it within the site)
+  largest = max(jax.tree.leaves(state.params), key=lambda x: x.size)
+  held = largest.addressable_shards[0].data.size / (largest.size // largest.shape[0])
   if process_id == 0:
     leaves = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
-    np.savez(out, total_bits=summary.total, intra_bits=intra, **leaves)
+    np.savez(out, total_bits=summary.total, held=held, **leaves)
   jax.distributed.shutdown()
 
 

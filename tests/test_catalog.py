@@ -166,7 +166,7 @@ def test_data_sets_by_name_file_and_import_path(tmp_path):
     assert data.load("mine").num_classes == 4
   finally:
     data._lookup._DATASETS.pop("mine")  # pylint: disable=protected-access
-  with pytest.raises(ValueError, match=r"y_train must be integer labels \(rows,\) or next-token"):
+  with pytest.raises(ValueError, match=r"data set 'bad', train split: labels must be integers "):
     data.as_dataset({**_arrays(), "y_train": np.zeros((64, 2))}, "bad")
   assert set(data.dataset_names()) >= {"fashion_mnist", "text:ARG", "idx:ARG"}
   assert data.get_dataset("text:some/*.txt").args == ("some/*.txt",)

@@ -78,14 +78,9 @@ def test_each_process_one_site_equals_one_process_2x4_mesh_and_pooled(tmp_path, 
                                       jax.tree.leaves(pooled_ts.params(pooled)))):
     np.testing.assert_allclose(got[f"p{i}"], leaf, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6)
-  if layout == "sites":
-    assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
-    assert int(got["intra_bits"]) == dadjax.comm_stats(state).intra_bits_per_step > 0
-  else:  # a device exchanges its slice: the kernels' bits are split over the site's 4 devices
-    _, sharded = _train_here(dadjax.make_mesh(sites=2, per_site=4), shard_params=True)
-    assert int(got["total_bits"]) == dadjax.comm_stats(sharded.opt_state).total
-    assert int(got["total_bits"]) < dadjax.comm_stats(state.opt_state).total
-    assert int(got["intra_bits"]) == dadjax.comm_stats(sharded).intra_bits_per_step > 0
+  # the ledger books what a site sends over the site axis, whatever its in-site layout
+  assert int(got["total_bits"]) == dadjax.comm_stats(state.opt_state).total
+  assert float(got["held"]) == (0.25 if layout == "sharded" else 1.0)
 
 
 @pytest.mark.slow  # 35 s; test_faults' lost-process and one-process resume tests stay default

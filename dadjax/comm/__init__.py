@@ -30,7 +30,6 @@ from dadjax._core.bits import (
     bits_zero,
     host_array,
 )
-from dadjax._core.vma import is_varying, tree_to_varying
 from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._collectives import AllReduceState, allreduce
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
@@ -44,7 +43,6 @@ from dadjax.comm._ledger import (
     PeriodicStats,
     comm_stats,
     find_comm_stats,
-    intra_ledger_init,
     ledger_init,
     ledger_record,
     periodic_init,
@@ -56,8 +54,6 @@ from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,
     metered_all_gather,
-    metered_gather_shards,
-    metered_mean_scatter,
     metered_pmean,
     metered_psum,
     traffic_add,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from dadjax import registry
+from dadjax._core.layers import per_layer
 from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
@@ -54,6 +55,10 @@ def compressed(
   of the gradients. Step ``t`` uses :func:`~dadjax.compress.step_keys`
   ``(seed, t)``: a ``shared`` key equal on every site and an independent
   ``site`` key per site, further separated per method and leaf path.
+
+  A leaf stacked by ``nn.scan`` (inside :func:`dadjax.stacked_layers`, which
+  the train step enters from the model's ``"layers"`` partitioning names) is
+  compressed as its ``L`` layers, as the unscanned twin's leaves are.
 
   Composes like any optax transformation, e.g. ``optax.chain(compressed(
   topk(0.01)), optax.sgd(0.1, momentum=0.9))``, inside
@@ -113,4 +118,5 @@ def compressed(
                          gather_calls=out.traffic.gather_calls)
     return out.mean, CompressedState(state.count + 1, out.state, comm)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # a leaf stacked by nn.scan is compressed, counted and booked layer by layer
+  return per_layer(optax.GradientTransformation(init_fn, update_fn))

@@ -36,6 +36,7 @@ import jax
 import optax
 
 from dadjax._core.collections import CollectionRule, resolve_rules
+from dadjax._core.layers import stacked_layers
 from dadjax.comm import COMM_COLLECTION
 from dadjax.parallel._gradient import _split_aux
 from dadjax.parallel._losses import LossFn, MetricsFn, classification_loss, default_metrics
@@ -93,6 +94,7 @@ def make_train_step(
     param_specs: Any = None,
     rules: Any = None,
     batch_axes: Sequence[str] | None = None,
+    layer_axes: Mapping[str, int] | None = None,
     donate: bool = False,
     collections: Mapping[str, CollectionRule] | None = None,
     allow_local: bool = False,
@@ -142,6 +144,12 @@ def make_train_step(
       ``nn.logical_axis_rules``.
     batch_axes: the in-site axes a site's rows are split over (default:
       all of them).
+    layer_axes: ``{leaf path: axis}`` of parameters that stack layers (a
+      scanned block's kernels); ``None``: read at ``init`` from the model's
+      partitioning names (``"layers"``, as ``nn.scan(...,
+      metadata_params={nn.PARTITION_NAME: "layers"})`` records it); ``{}``:
+      none. Communicating transformations treat each layer as a tensor
+      (:func:`dadjax.stacked_layers`).
     donate: donate the input state's buffers to the output.
     collections: ``{name: CollectionRule}`` adding to or overriding the
       registered rules (:mod:`dadjax._core.collections`) for this step.
@@ -188,8 +196,12 @@ def make_train_step(
   rules = resolve_rules(mutable, average, collections)
   loss_fn = classification_loss(model) if loss_fn is None else loss_fn
   metrics_fn = default_metrics if metrics_fn is None else metrics_fn
+  layers = {} if layer_axes is None else dict(layer_axes)
+  with stacked_layers(layers):  # checks the map
+    pass
   recipe = Recipe(tx, loss_fn, metrics_fn, rules, batch_stage, axis_name, placement.num_sites,
-                  allow_local)
+                  allow_local, layers)
   run = placement.compile(site_program(recipe), donate)
   return TrainStep(model, tx, loss_fn, metrics_fn, placement, rules, batch_stage, run,
-                   _eval_fn(loss_fn, metrics_fn), mutable, average, allow_local, check_ledger)
+                   _eval_fn(loss_fn, metrics_fn), mutable, average, allow_local, check_ledger,
+                   layer_axes=layers, fixed_layer_axes=layer_axes is not None)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._core.layers import stacked_layers
 from dadjax.comm import (
     NO_TRAFFIC,
     Traffic,
@@ -48,6 +49,7 @@ class Recipe(NamedTuple):
   axis_name: str
   num_sites: int = 1
   allow_local: bool = False  # no communicating transformation on purpose
+  layer_axes: Mapping = {}  # {leaf path: layer axis} of stacked parameters, filled at init
 
 
 class Local(NamedTuple):
@@ -79,9 +81,10 @@ def local_gradient(r: Recipe, state: TrainState, batch) -> Local:
   return Local(out.result, out.state, out.traffic)
 
 
-def apply_tx(tx, state: TrainState, grads, extra_args: dict):
+def apply_tx(tx, state: TrainState, grads, extra_args: dict, layer_axes: Mapping):
   """``(params, opt_state)`` after the optimizer (which does the method's collectives)."""
-  updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra_args)
+  with stacked_layers(layer_axes):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra_args)
   return optax.apply_updates(state.params, updates), opt_state
 
 
@@ -134,7 +137,8 @@ def _site_step(r: Recipe, state: TrainState, batch):
   """One step of one site (:func:`site_program`)."""
   local = local_gradient(r, state, batch)
   model_state = dict(local.result.model_state)
-  params, opt_state = apply_tx(r.tx, state, local.result.grads, local.result.extra_args)
+  params, opt_state = apply_tx(r.tx, state, local.result.grads, local.result.extra_args,
+                               r.layer_axes)
   check_model_comm(local.result.extra_args, state.opt_state)  # after a family's own refusal
   model_state, sync_traffic = sync_collections(r, model_state)
   metrics, metrics_traffic = site_metrics(r, local.result, batch)

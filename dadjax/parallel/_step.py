@@ -22,7 +22,8 @@ from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger 
 from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._rows import check_sites as _check_sites, local_sites as _local_sites
-from dadjax.parallel._layout import unbox
+from dadjax._core.layers import stacked_layers
+from dadjax.parallel._layout import layer_axes_of, unbox
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
 
@@ -55,6 +56,9 @@ class TrainStep:
   allow_local: bool = False
   check_ledger: bool = True
   _checked: set = dataclasses.field(default_factory=set, repr=False, compare=False)
+  # {leaf path: layer axis} of the parameters stacked by nn.scan (read at init, or given)
+  layer_axes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  fixed_layer_axes: bool = False
 
   num_sites = property(lambda self: self.placement.num_sites)
   axis_name = property(lambda self: self.placement.axis_name)
@@ -80,6 +84,9 @@ class TrainStep:
     variables = dict(self.model.init(key, sample_x, **init_kwargs))
     if self.backend == "shard_map":  # the in-site layout the model's metadata declares
       self.placement.record(variables["params"])
+    if not self.fixed_layer_axes:  # the leaves nn.scan stacked, by their "layers" names
+      self.layer_axes.clear()
+      self.layer_axes.update(layer_axes_of(variables["params"]))
     variables = unbox(variables)
     params = variables.pop("params")
     variables.pop(COMM_COLLECTION, None)
@@ -89,7 +96,8 @@ class TrainStep:
                        f"it has {sorted(variables)}")
     base = key_data(jax.random.fold_in(key, TAG_BASE))
     stage_state = self.batch_stage.init(params) if self.batch_stage is not None else None
-    opt_state = self.tx.init(params)
+    with stacked_layers(self.layer_axes):
+      opt_state = self.tx.init(params)
     check_opt_state(opt_state, num_sites=self.num_sites, axis_name=self.axis_name,
                     stage=self.batch_stage is not None, allow_local=self.allow_local)
     state = TrainState(np.zeros((), np.int32), params, opt_state, variables, base,
