@@ -1,4 +1,4 @@
-"""Data sets as numpy arrays, and their partitioning across sites."""
+"""Data sets as numpy arrays, their partitioning across sites, and a Grain input pipeline per host."""
 
 from dadjax.data._embedded import Dataset, load_digits
 from dadjax.data._idx import load_fashion_mnist, load_idx, read_idx
@@ -15,6 +15,9 @@ from dadjax.data._text import (
   text_windows,
 )
 from dadjax.data._tfds import load_tfds, tokenize
+from dadjax.data._grain import (ArrayRecordSource, ArraySource, SitePipeline, TextSource,
+                               TfdsSource, grain_pipeline, process_sites, text_source,
+                               write_array_record)
 
 __all__ = [
   "Dataset",
@@ -42,6 +45,15 @@ __all__ = [
   "dataset_names",
   "load_npz",
   "as_dataset",
+  "ArraySource",
+  "TextSource",
+  "ArrayRecordSource",
+  "TfdsSource",
+  "SitePipeline",
+  "text_source",
+  "write_array_record",
+  "process_sites",
+  "grain_pipeline",
 ]
 
 register_dataset("digits", load_digits)

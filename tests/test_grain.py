@@ -1,0 +1,157 @@
+"""The Grain input pipeline per host: sources, per-process rows, (seed, step) order, resumable state."""
+import chex
+import numpy as np
+import pytest
+
+from dadjax import data
+from dadjax.config import Config
+from dadjax.train import train
+
+
+def _corpus(root, n_files=8, size=700):
+  """Small text files of different lengths (one empty), bytes varied per file."""
+  root.mkdir(exist_ok=True)
+  rng = np.random.default_rng(0)
+  for i in range(n_files):
+    n = 0 if i == 3 else size + 37 * i
+    text = bytes(rng.integers(32, 127, n).astype(np.uint8))
+    (root / f"doc{i:02d}.txt").write_bytes(text)
+  return root
+
+
+class _Counting:
+  """A source that records which rows were read."""
+
+  def __init__(self, source):
+    self.source, self.read = source, set()
+
+  def __len__(self):
+    return len(self.source)
+
+  def __getitem__(self, i):
+    self.read.add(int(i))
+    return self.source[i]
+
+
+@pytest.mark.parametrize("stride,max_windows", [(None, None), (5, None), (None, 20)])
+def test_text_source_rows_equal_load_text(tmp_path, stride, max_windows):
+  corpus = _corpus(tmp_path / "c")
+  ds = data.load_text(str(corpus), seq_len=16, stride=stride, max_windows=max_windows, seed=3)
+  src = data.text_source(str(corpus), seq_len=16, stride=stride, max_windows=max_windows, seed=3)
+  assert len(src) == len(ds.x_train)
+  rows = src.rows(np.arange(len(src)))
+  np.testing.assert_array_equal(rows["x"], ds.x_train)
+  np.testing.assert_array_equal(rows["y"], ds.y_train)
+  np.testing.assert_array_equal(src.groups, ds.groups)
+  i = len(src) // 2  # one element through Grain's protocol, a window that may cross files
+  np.testing.assert_array_equal(src[i]["x"], ds.x_train[i])
+  with pytest.raises(IndexError):
+    src[len(src)]
+
+
+@pytest.mark.parametrize("scheme", ["iid", "by_class"])
+def test_pipeline_batches_equal_site_batcher_and_processes_read_only_their_rows(tmp_path, scheme):
+  corpus = _corpus(tmp_path / "c")
+  ds = data.load_text(str(corpus), seq_len=16)
+  src = data.text_source(str(corpus), seq_len=16)
+  parts = data.partition(ds.groups, 4, scheme, seed=1)  # by_class: each site its own files
+  b = 3
+  ref = data.SiteBatcher(ds.x_train, ds.y_train, parts, b, seed=1)
+  whole = data.SitePipeline(src, parts, b, seed=1)
+  halves = []
+  for p in range(2):
+    counted = _Counting(src)
+    sites = data.process_sites(4, process_index=p, process_count=2)
+    pipe = data.SitePipeline(counted, parts, b, seed=1, sites=sites)
+    halves.append((sites, counted, [pipe.batch_at(t) for t in range(12)]))
+    pipe.close()
+  assert halves[0][0] == (0, 1) and halves[1][0] == (2, 3)
+  for t in range(12):  # past one pass of the smallest site: wraps and reshuffles
+    x, y = whole.batch_at(t)
+    rx, ry = ref.batch_at(t)
+    np.testing.assert_array_equal(x, rx)
+    np.testing.assert_array_equal(y, ry)
+    both = np.concatenate([halves[0][2][t][0], halves[1][2][t][0]])
+    np.testing.assert_array_equal(both, rx)  # the two processes' rows are the global batch
+  for sites, counted, _ in halves:
+    own = set(np.concatenate([parts[s] for s in sites]).tolist())
+    assert counted.read and counted.read <= own  # no process read another's rows
+  assert not halves[0][1].read & halves[1][1].read
+  whole.close()
+
+
+def test_process_sites_checks_and_grain_shard_options():
+  import grain
+  assert data.process_sites(8, 3, 4) == (6, 7)
+  assert data.process_sites(8) == tuple(range(8))  # one JAX process here
+  opts = grain.sharding.ShardOptions(shard_index=1, shard_count=2)
+  assert data.process_sites(4, shard_options=opts) == (2, 3)
+  with pytest.raises(ValueError, match="process_count must divide"):
+    data.process_sites(6, 0, 4)
+  with pytest.raises(ValueError, match="process_index"):
+    data.process_sites(4, 2, 2)
+
+
+def test_order_depends_only_on_seed_and_step():
+  x = np.arange(60, dtype=np.float32).reshape(30, 2)
+  y = np.arange(30, dtype=np.int32) % 3
+  parts = data.partition(y, 3, "iid", seed=0)
+  a = data.SitePipeline(data.ArraySource(x, y), parts, 4, seed=7)
+  b = data.SitePipeline(data.ArraySource(x, y), parts, 4, seed=7, prefetch=0)
+  c = data.SitePipeline(data.ArraySource(x, y), parts, 4, seed=8)
+  seq = [a.batch_at(t)[0] for t in range(6)]
+  for t in (5, 2, 0, 4):  # random access, through a fresh pipeline without read-ahead
+    np.testing.assert_array_equal(b.batch_at(t)[0], seq[t])
+  assert any(not np.array_equal(c.batch_at(t)[0], seq[t]) for t in range(6))
+  # Grain's own iterator, started at a step, continues the same sequence.
+  it = a.iterator(step=3)
+  np.testing.assert_array_equal(next(it)["x"], seq[3])
+  assert it.get_state() == {"next_index": 4}
+  for p in (a, b, c):
+    p.close()
+
+
+def test_array_record_source_through_the_pipeline(tmp_path):
+  pytest.importorskip("array_record")
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(24, 3)).astype(np.float32)
+  y = rng.integers(0, 4, 24).astype(np.int32)
+  path = data.write_array_record(tmp_path / "rows.array_record", x, y)
+  src = data.ArrayRecordSource(path)
+  assert len(src) == 24
+  np.testing.assert_array_equal(src[5]["x"], x[5])
+  parts = data.partition(y, 2, "iid")
+  got = data.SitePipeline(src, parts, 3).batch_at(4)
+  want = data.SiteBatcher(x, y, parts, 3).batch_at(4)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_iterator_state_saved_and_restored_through_orbax(tmp_path):
+  import grain
+  import orbax.checkpoint as ocp
+  x = np.arange(80, dtype=np.float32).reshape(40, 2)
+  y = np.arange(40, dtype=np.int32) % 4
+  parts = data.partition(y, 4, "iid")
+  pipe = data.SitePipeline(data.ArraySource(x, y), parts, 2, seed=5)
+  for t in range(7):
+    pipe.batch_at(t)
+  expected = [pipe.batch_at(t)[0] for t in range(7, 10)]
+  pipe.batch_at(7)  # moves back: the live iterator is at step 8
+  with ocp.CheckpointManager(tmp_path / "ck") as mgr:
+    mgr.save(8, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(
+        pipe.checkpoint_item(8))))
+    mgr.wait_until_finished()
+    with pytest.raises(ValueError, match="at step 8"):
+      pipe.checkpoint_item(9)
+    fresh = data.SitePipeline(data.ArraySource(x, y), parts, 2, seed=5)
+    it = mgr.restore(8, args=ocp.args.Composite(
+        data=grain.checkpoint.CheckpointRestore(fresh.restore_item()))).data
+  assert it.get_state() == {"next_index": 8}
+  fresh.adopt(it, 8)
+  np.testing.assert_array_equal(fresh.batch_at(8)[0], expected[1])
+  np.testing.assert_array_equal(fresh.batch_at(9)[0], expected[2])
+  with pytest.raises(ValueError, match="state is at step"):
+    fresh.adopt(fresh.restore_item(), 3)
+  pipe.close()
+  fresh.close()
