@@ -34,7 +34,9 @@ from dadjax.compress import (
 )
 from dadjax.methods import build_method
 from dadjax._core.layers import per_layer, stacked_layers
-from dadjax.parallel import TrainState, TrainStep, initialize, make_mesh, make_train_step
+from dadjax._core.marks import after_local_state
+from dadjax.parallel import (TrainState, TrainStep, initialize, make_mesh, make_train_step,
+                             site_map)
 from dadjax.registry import Method, SpecError
 from dadjax.stage import BatchStage
 
@@ -55,7 +57,9 @@ __all__ = [
     # the ledger and the network model
     "comm_stats", "CommStats", "CommSummary", "NetworkModel",
     # the train step
-    "make_train_step", "TrainStep", "TrainState", "make_mesh", "initialize",
+    "make_train_step", "TrainStep", "TrainState", "make_mesh", "initialize", "site_map",
     # layers stacked by nn.scan
     "stacked_layers", "per_layer",
+    # a communicating transformation placed after per-site state on purpose
+    "after_local_state",
 ]

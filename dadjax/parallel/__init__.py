@@ -24,6 +24,7 @@ from dadjax.parallel._losses import softmax_cross_entropy
 from dadjax.parallel._make import make_train_step
 from dadjax.parallel._mesh import initialize, make_mesh
 from dadjax.parallel._placement import BACKENDS, Mesh, Pmap, Vmap
+from dadjax.parallel._site_map import SiteMapped, site_map
 from dadjax.parallel._state import TrainState, site_keys, stack_sites, unstack_site
 from dadjax.parallel._step import TrainStep
 
@@ -31,6 +32,8 @@ __all__ = [
     "make_train_step",
     "shard_dims",
     "layer_axes_of",
+    "site_map",
+    "SiteMapped",
     "TrainStep",
     "TrainState",
     "BACKENDS",
