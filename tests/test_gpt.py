@@ -44,8 +44,9 @@ def _count(fields: dict) -> int:
 def test_gpt_tiny_init_apply_shapes_and_causality():
   model = models.get_model("gpt_tiny", 10)  # registered by name; num_classes is not a field
   x = _tokens((3, 12))
-  variables = model.init(jax.random.key(0), x)
-  logits = model.apply(variables, x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  apply = jax.jit(model.apply)
+  logits = apply(variables, x)
   chex.assert_shape(logits, (3, 12, TINY["vocab_size"]))
   assert logits.dtype == jnp.float32
   params = nn.unbox(variables["params"])
@@ -55,13 +56,13 @@ def test_gpt_tiny_init_apply_shapes_and_causality():
   assert models.gpt_param_count(model) == _count(TINY)
   # Position t sees tokens 0..t only.
   x2 = x.at[:, 7:].set((x[:, 7:] + 1) % 256)
-  chex.assert_trees_all_close(model.apply(variables, x2)[:, :7], logits[:, :7], atol=1e-5)
-  assert not np.allclose(model.apply(variables, x2)[:, 7:], logits[:, 7:])
+  chex.assert_trees_all_close(apply(variables, x2)[:, :7], logits[:, :7], atol=1e-5)
+  assert not np.allclose(apply(variables, x2)[:, 7:], logits[:, 7:])
 
 
 def test_every_parameter_is_logically_named_and_scanned_kernels_lead_with_layers():
   model = make_gpt("gpt_tiny", tie_embeddings=False, positions="learned")
-  boxed = model.init(jax.random.key(0), _tokens((2, 8)))["params"]
+  boxed = jax.eval_shape(model.init, jax.random.key(0), _tokens((2, 8)))["params"]
   leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   assert all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
   specs = nn.get_partition_spec(boxed)
@@ -83,8 +84,8 @@ def test_every_parameter_is_logically_named_and_scanned_kernels_lead_with_layers
 def test_tied_and_untied_parameter_counts():
   tied, untied = make_gpt("gpt_tiny"), make_gpt("gpt_tiny", tie_embeddings=False)
   x = _tokens((2, 8))
-  p_tied = nn.unbox(tied.init(jax.random.key(0), x)["params"])
-  p_untied = nn.unbox(untied.init(jax.random.key(0), x)["params"])
+  p_tied = nn.unbox(jax.eval_shape(tied.init, jax.random.key(0), x)["params"])
+  p_untied = nn.unbox(jax.eval_shape(untied.init, jax.random.key(0), x)["params"])
   assert "head" not in p_tied and p_untied["head"]["kernel"].shape == (64, 256)
   d, v = TINY["d_model"], TINY["vocab_size"]
   assert models.gpt_param_count(untied) - models.gpt_param_count(tied) == d * v
@@ -96,13 +97,13 @@ def test_tied_and_untied_parameter_counts():
 def test_rotary_and_learned_positions():
   x = _tokens((2, 16))
   rotary, learned = make_gpt("gpt_tiny"), make_gpt("gpt_tiny", positions="learned")
-  p_r = nn.unbox(rotary.init(jax.random.key(0), x)["params"])
-  p_l = nn.unbox(learned.init(jax.random.key(0), x)["params"])
+  p_r = nn.unbox(jax.jit(rotary.init)(jax.random.key(0), x)["params"])
+  p_l = nn.unbox(jax.jit(learned.init)(jax.random.key(0), x)["params"])
   assert "pos_embed" not in p_r and p_l["pos_embed"].shape == (TINY["max_len"], TINY["d_model"])
   # Same weights, different position coding: different outputs.
   shared = {k: v for k, v in p_l.items() if k != "pos_embed"}
-  assert not np.allclose(rotary.apply({"params": shared}, x),
-                         learned.apply({"params": p_l}, x), atol=1e-4)
+  assert not np.allclose(jax.jit(rotary.apply)({"params": shared}, x),
+                         jax.jit(learned.apply)({"params": p_l}, x), atol=1e-4)
   # Rotary scores depend on the offset only: <R_i q, R_j k> == <R_{i+s} q, R_{j+s} k>.
   from dadjax.models._gpt import _rotary  # pylint: disable=g-import-not-at-top
   q, k = (jax.random.normal(jax.random.key(i), (1, 1, 2, 16)) for i in (1, 2))
@@ -116,12 +117,10 @@ def test_rotary_and_learned_positions():
 def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
   x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
   ref = make_gpt("gpt_tiny", remat="none")
-  params = nn.unbox(ref.init(jax.random.key(0), x)["params"])
+  params = nn.unbox(jax.jit(ref.init)(jax.random.key(0), x)["params"])
   want = jax.jit(jax.value_and_grad(functools.partial(_loss, ref)))(params, x, y)
-  for remat in ("nothing_saveable", "dots_with_no_batch_dims_saveable"):
-    got = jax.jit(jax.value_and_grad(functools.partial(_loss, make_gpt("gpt_tiny", remat=remat))))(
-        params, x, y)
-    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)
+  got = jax.jit(jax.value_and_grad(functools.partial(_loss, make_gpt("gpt_tiny"))))(params, x, y)
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)  # default: nothing_saveable
   # The unrolled twin with the stacked parameters split per layer.
   unrolled = make_gpt("gpt_tiny", scan_layers=False)
   split = {k: v for k, v in params.items() if k != "layers"}
@@ -136,7 +135,7 @@ def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
 def test_bf16_compute_keeps_fp32_parameters_and_gradients():
   x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
   model = make_gpt("gpt_tiny", dtype="bfloat16")
-  params = nn.unbox(model.init(jax.random.key(0), x)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), x)["params"])
   assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
   loss, grads = jax.jit(jax.value_and_grad(functools.partial(_loss, model)))(params, x, y)
   assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
@@ -156,7 +155,7 @@ def test_dad_dot_general_gradient_equals_the_plain_gradient(sites):
   # embedding and LayerNorms are not dAD layers and keep their local gradient.
   x, y = _tokens((sites, 2, 8)), _tokens((sites, 2, 8), seed=1)
   plain = make_gpt("gpt_tiny", tie_embeddings=False)
-  params = nn.unbox(plain.init(jax.random.key(0), x[0])["params"])
+  params = nn.unbox(jax.jit(plain.init)(jax.random.key(0), x[0])["params"])
   local = jax.jit(jax.vmap(jax.grad(functools.partial(_loss, plain)), in_axes=(None, 0, 0)))(
       params, x, y)
   model = make_gpt("gpt_tiny", tie_embeddings=False, dot_general_cls=dad.DotGeneral)
@@ -181,7 +180,7 @@ def test_dad_dot_general_gradient_equals_the_plain_gradient(sites):
 def test_a_dad_methods_factory_reaches_every_projection():
   factory = dad.DenseFactory(axis_name="data")
   model = models.get_model("gpt_tiny", 256, dense=factory)
-  params = model.init(jax.random.key(0), _tokens((2, 8)))["params"]
+  params = jax.eval_shape(model.init, jax.random.key(0), _tokens((2, 8)))["params"]
   mask = factory.mask(nn.unbox(params))
   assert all(mask["layers"][n]["kernel"] for n in ("query", "key", "value", "out", "mlp_in",
                                                    "mlp_out"))
@@ -244,6 +243,20 @@ def test_gpt_memory_equals_an_independent_count():
   with pytest.raises(ValueError, match="seq_len"):
     gpt_memory("gpt_tiny", seq_len=10 ** 6)
   del v
+
+
+@pytest.mark.parametrize("fields, batch", [({}, 8), ({"vocab_size": 1024, "num_layers": 4}, 16)])
+def test_the_activation_estimate_is_near_xlas_compiled_temp_memory(fields, batch):
+  # The estimate against what XLA allocates for one loss + gradient (abstract inputs: nothing
+  # allocated); measured 0.8x-1.25x at gpt_tiny .. gpt_1b with the default remat.
+  model = make_gpt("gpt_tiny", **fields)
+  shapes = nn.unbox(jax.eval_shape(lambda k: model.init(k, _tokens((1, 8)))["params"],
+                                   jax.random.key(0)))
+  x = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
+  compiled = jax.jit(jax.grad(functools.partial(_loss, model))).lower(shapes, x, x).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  est = gpt_memory(model, batch_per_site=batch, seq_len=64).activations
+  assert 0.5 * temp < est < 2 * temp
 
 
 @pytest.mark.parametrize("model, mesh", [("gpt_1b", None), ("gpt_1b", "data=2,fsdp=4,model=4"),
