@@ -3,7 +3,9 @@
 A run's ``checkpoint_dir`` holds orbax checkpoints, one directory per step,
 each with two items: ``state`` (the :class:`~dadjax.parallel.TrainState`)
 and ``meta`` (JSON: the run's fingerprint, a checksum of every leaf of the
-state, the wall time so far and the last logged metrics row).
+state, the wall time so far and the last logged metrics row), and with
+``pipeline="grain"`` a third, ``data`` (the input pipeline's Grain iterator
+state, one JSON file per process).
 :class:`CheckpointDir` guards the directory for the life of a run:
 
 - **Lock.** An exclusive ``fcntl`` lock on ``checkpoint_dir/dadjax.lock``;
@@ -187,11 +189,13 @@ def state_digest(state: Any) -> tuple[dict[str, int], list[str]]:
 
 @dataclasses.dataclass
 class Restored:
-  """A verified checkpoint: its ``step``, ``state`` and ``meta`` (JSON dict)."""
+  """A verified checkpoint: its ``step``, ``state`` and ``meta`` (JSON dict), and the
+  restored input pipeline iterator (``data``; ``None`` without a pipeline)."""
 
   step: int
   state: Any
   meta: dict
+  data: Any = None
 
 
 class _OwnSteps(step_lib._StandardNameFormat):  # pylint: disable=protected-access
@@ -239,6 +243,11 @@ class CheckpointDir:
     max_to_keep: checkpoints kept (>= 2, so that a damaged newest one has
       an older one to fall back to). Default 2.
     say: where notices go (default: stderr, prefixed ``dadjax:``).
+    pipeline: the run's input pipeline (:class:`~dadjax.data.SitePipeline`),
+      or ``None``. Its Grain iterator state is saved with every checkpoint
+      as the item ``data`` (Grain's orbax handler: one JSON file per
+      process) and restored with it; a checkpoint whose pipeline state is
+      missing or not at its step is damaged.
 
   Raises:
     CheckpointError: the directory is in use by another process, or cannot
@@ -246,7 +255,7 @@ class CheckpointDir:
   """
 
   def __init__(self, directory: str | os.PathLike, config: Config, *, restart: bool = False,
-               max_to_keep: int = 2, say: Callable[[str], None] = _say):
+               max_to_keep: int = 2, say: Callable[[str], None] = _say, pipeline: Any = None):
     if max_to_keep < 2:
       raise ValueError(f"max_to_keep must be >= 2, got {max_to_keep}")
     self.directory = pathlib.Path(directory).absolute()
@@ -257,6 +266,7 @@ class CheckpointDir:
     self._saving = None
     self._restarted = restart
     self._manager = None
+    self._pipeline = pipeline
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
       if jax.process_index() == 0:
@@ -434,8 +444,11 @@ class CheckpointDir:
               "checksums": checksums, **meta}
     self.check_lock()
     try:
-      self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+      items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record))
+      if self._pipeline is not None:  # the input pipeline's iterator state, at this step
+        import grain  # pylint: disable=g-import-not-at-top
+        items["data"] = grain.checkpoint.CheckpointSave(self._pipeline.checkpoint_item(step))
+      self._manager.save(step, args=ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  (also the previous save's error)
       manager, self._manager = self._manager, None
       self._failed(e, manager)
@@ -487,7 +500,37 @@ class CheckpointDir:
         raise _Damaged(f"the checksum of {path} differs from the one recorded at save time")
     if nonfinite:
       raise _Damaged(f"{nonfinite[0]} is not finite")
-    return Restored(step, state, meta)
+    return Restored(step, state, meta, self._read_data(step))
+
+  def _data_file(self, step: int) -> pathlib.Path:
+    """This process's file of the pipeline state (as Grain's handler names it)."""
+    return (self.directory / str(step) / "data"
+            / f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+
+  def _read_data(self, step: int):
+    """The input pipeline's iterator restored from ``step`` (``None`` without a pipeline)."""
+    if self._pipeline is None:
+      return None
+    own = self._data_file(step)
+    if not own.is_file():
+      others = sorted(p.name for p in own.parent.glob("process_*-of-*.json"))
+      if others:
+        raise CheckpointError(
+            f"checkpoint step {step} in {self.directory} holds the input pipeline state of "
+            f"another number of processes ({', '.join(others)}); resume with as many processes "
+            f"as wrote it, not {jax.process_count()}")
+      raise _Damaged("it holds no input pipeline state (data/)")
+    import grain  # pylint: disable=g-import-not-at-top
+    try:
+      iterator = self._manager.restore(step, args=ocp.args.Composite(
+          data=grain.checkpoint.CheckpointRestore(self._pipeline.restore_item()))).data
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Damaged(f"its input pipeline state cannot be restored ({_first_line(e)})") from e
+    at = iterator.get_state().get("next_index")
+    if at != step:
+      iterator.close()
+      raise _Damaged(f"its input pipeline state is at step {at}, not {step}")
+    return iterator
 
   def _missing_part(self, step: int) -> "_Damaged | None":
     """What of ``step`` this process needs and cannot find (multi-process runs)."""
@@ -495,6 +538,8 @@ class CheckpointDir:
     for needed in (path / "meta" / "metadata", path / "state" / "_METADATA"):
       if not needed.is_file():
         return _Damaged(f"{needed.relative_to(path)} is missing")
+    if self._pipeline is not None and not self._data_file(step).is_file():
+      return _Damaged(f"{self._data_file(step).relative_to(path)} is missing")
     own = path / "state" / f"ocdbt.process_{jax.process_index()}"
     if any((path / "state").glob("ocdbt.process_*")) and not (own.is_dir() and any(own.iterdir())):
       return _Damaged(f"this process's part, {own.relative_to(path)}, is missing")
@@ -557,6 +602,8 @@ class CheckpointDir:
         continue
       for bad, _ in damaged:
         self._manager.delete(bad)
+      if self._pipeline is not None:  # the pipeline continues from the restored iterator
+        self._pipeline.adopt(restored.data, step)
       self._say(f"resuming from checkpoint step {step} in {self.directory}"
                 + (f"; deleted the damaged step(s) {[s for s, _ in damaged]}" if damaged else ""))
       return restored

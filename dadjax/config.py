@@ -24,6 +24,7 @@ from dadjax.errors import ConfigError
 BACKENDS = ("shard_map", "pmap", "vmap")
 PARTITIONS = ("iid", "by_class", "dirichlet")
 TOPOLOGIES = ("ring", "ps")
+PIPELINES = ("memory", "grain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,14 @@ class Config:
       that support it, see :func:`dadjax.make_train_step`). Default ``False``.
     backend: ``"shard_map"``, ``"pmap"`` or ``"vmap"``.
     partition: ``"iid"``, ``"by_class"`` or ``"dirichlet"``.
+    pipeline: ``"memory"`` (default: the training rows held in memory,
+      :class:`~dadjax.data.SiteBatcher`) or ``"grain"``: each process reads
+      only its own sites' rows through a Grain pipeline
+      (:class:`~dadjax.data.SitePipeline`; ``"text:GLOB"`` corpora are read
+      from the files on demand), the same batches, with its iterator state
+      checkpointed next to the train state.
+    pipeline_prefetch: with ``pipeline="grain"``, steps read ahead (>= 0,
+      default 2).
     alpha: Dirichlet concentration for ``partition="dirichlet"``.
     batch_per_site: rows per site per step.
     steps: training steps.
@@ -104,6 +113,8 @@ class Config:
   shard_params: bool = False
   backend: str = "shard_map"
   partition: str = "iid"
+  pipeline: str = "memory"
+  pipeline_prefetch: int = 2
   alpha: float = 0.5
   batch_per_site: int = 16
   steps: int = 300
@@ -136,7 +147,11 @@ class Config:
     _check_upper_bounds(self)
     if self.seed < 0:
       raise ConfigError(f"config.seed must be an int >= 0, got {self.seed!r}")
-    choices = {"backend": BACKENDS, "partition": PARTITIONS, "topology": TOPOLOGIES}
+    if self.pipeline_prefetch < 0:
+      raise ConfigError(f"config.pipeline_prefetch must be an int >= 0, got "
+                        f"{self.pipeline_prefetch!r}")
+    choices = {"backend": BACKENDS, "partition": PARTITIONS, "topology": TOPOLOGIES,
+               "pipeline": PIPELINES}
     for name, valid in choices.items():
       value = getattr(self, name)
       if value not in valid:

@@ -127,17 +127,11 @@ def build(config: Config):
   ``batcher.steps_per_epoch`` (``max(1, examples // global batch)``) is the
   epoch length the loop hands to methods that work in epochs.
   """
-  dataset_kwargs = dict(config.dataset_kwargs)
-  if config.data_dir:
-    dataset_kwargs["data_dir"] = config.data_dir
-  dataset = data_lib.load(config.dataset, **dataset_kwargs)
-  check_dataset(dataset)  # bad data is a DataError, before any step
-  groups = getattr(dataset, "groups", None)  # e.g. the file of each text window
-  parts = data_lib.partition(dataset.y_train if groups is None else groups, config.num_sites,
-                             scheme=config.partition,
-                             alpha=config.alpha, seed=config.seed)
-  batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
-                                 seed=config.seed)
+  if config.pipeline == "grain":  # each process reads only its own sites' rows, same batches
+    dataset, parts, batcher = data_lib.grain_pipeline(config)
+    check_dataset(dataset)
+  else:
+    dataset, parts, batcher = _memory_data(config)
   schedule = make_schedule(config)  # one schedule: the optimizer's and the method's
   method = build_method(config.method, axis_name="data", seed=config.seed,
                         steps_per_epoch=batcher.steps_per_epoch, lr_schedule=schedule)
@@ -161,7 +155,25 @@ def build(config: Config):
                             metrics_fn=data_lib.language_model_metrics if lm else None,
                             batch_stage=getattr(method, "batch_stage", None),
                             collections=getattr(method, "collections", None))
+  if config.pipeline == "grain":
+    batcher.use_sites(step_fn.local_sites)
   return dataset, parts, batcher, step_fn
+
+
+def _memory_data(config: Config):
+  """``(dataset, parts, batcher)`` with every training row in memory (``pipeline="memory"``)."""
+  dataset_kwargs = dict(config.dataset_kwargs)
+  if config.data_dir:
+    dataset_kwargs["data_dir"] = config.data_dir
+  dataset = data_lib.load(config.dataset, **dataset_kwargs)
+  check_dataset(dataset)  # bad data is a DataError, before any step
+  groups = getattr(dataset, "groups", None)  # e.g. the file of each text window
+  parts = data_lib.partition(dataset.y_train if groups is None else groups, config.num_sites,
+                             scheme=config.partition,
+                             alpha=config.alpha, seed=config.seed)
+  batcher = data_lib.SiteBatcher(dataset.x_train, dataset.y_train, parts, config.batch_per_site,
+                                 seed=config.seed)
+  return dataset, parts, batcher
 
 
 def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] | None = None,
@@ -224,7 +236,8 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
         f"cannot build the run from the config: model {config.model!r} with "
         f"{config.model_kwargs} has a layer with no inputs for input shape "
         f"{dataset.x_train.shape[1:]} ({e})") from e
-  store, state, wall0, last_row = _resume(config, state, restart)
+  store, state, wall0, last_row = _resume(
+      config, state, restart, pipeline=batcher if config.pipeline == "grain" else None)
   if store is not None:
     stores.append(store)
   if store is not None and int(host_array(state.step)[0]) == config.steps:
@@ -288,6 +301,8 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
       store.close()
     if out_file:
       out_file.close()
+    if config.pipeline == "grain":
+      batcher.close()  # stop the pipeline's reader threads
   return Run(config, state, step_fn, history, dataset, batcher.steps_per_epoch)
 
 
@@ -310,7 +325,7 @@ def _stop_on_signal(config: Config, store, stop, state, metrics, step: int, *, s
                 step=step, checkpoint_step=kept, exit_code=_signals.exit_code(stop.signum))
 
 
-def _resume(config: Config, state, restart: bool):
+def _resume(config: Config, state, restart: bool, pipeline=None):
   """Open and lock ``config.checkpoint_dir`` and restore its newest intact checkpoint.
 
   Returns ``(store, state, wall_s, last_row)``; ``store`` is ``None`` without
@@ -318,7 +333,7 @@ def _resume(config: Config, state, restart: bool):
   """
   if not config.checkpoint_dir:
     return None, state, 0.0, None
-  store = CheckpointDir(config.checkpoint_dir, config, restart=restart)
+  store = CheckpointDir(config.checkpoint_dir, config, restart=restart, pipeline=pipeline)
   try:
     restored = store.restore(state)
     if restored is None:

@@ -155,3 +155,38 @@ def test_iterator_state_saved_and_restored_through_orbax(tmp_path):
     fresh.adopt(fresh.restore_item(), 3)
   pipe.close()
   fresh.close()
+
+
+# ------------------------------------------------------------ dadjax train ---
+
+TINY_LM = {"d_model": 16, "num_heads": 2, "num_layers": 1, "mlp_dim": 32}
+
+
+def _text_config(tmp_path, **overrides):
+  corpus = _corpus(tmp_path / "corpus", n_files=10, size=400)
+  base = dict(dataset=f"text:{corpus}/*.txt", dataset_kwargs={"seq_len": 16},
+              model="transformer_lm", model_kwargs=TINY_LM, num_sites=4, batch_per_site=2,
+              steps=6, eval_every=3, backend="vmap", optimizer="adam", lr=1e-2,
+              partition="by_class", pipeline="grain")
+  return Config(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_train_with_grain_equals_memory_and_resumes_mid_epoch_bit_identical(tmp_path, backend):
+  cfg = _text_config(tmp_path, backend=backend)
+  whole = train(cfg, progress=False)
+  assert whole.steps_per_epoch > 6  # so the stop at step 3 is in the middle of an epoch
+  assert len(whole.dataset.x_train) == cfg.batch_per_site  # the corpus was not loaded
+  memory = train(cfg.replace(pipeline="memory"), progress=False)
+  chex.assert_trees_all_close(whole.params, memory.params, atol=0, rtol=0)
+
+  ckpt = str(tmp_path / "ckpt")
+  first = train(cfg.replace(steps=3, checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
+  assert first.final["step"] == 3
+  saved = list((tmp_path / "ckpt" / "3" / "data").glob("process_*-of-*.json"))
+  assert [p.name for p in saved] == ["process_0-of-1.json"]
+  assert '"next_index": 3' in saved[0].read_text()
+  resumed = train(cfg.replace(checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
+  assert [row["step"] for row in resumed.history] == [6]
+  chex.assert_trees_all_close(resumed.params, whole.params, atol=0, rtol=0)
+  assert resumed.final["loss"] == whole.final["loss"]
