@@ -171,22 +171,59 @@ def _text_config(tmp_path, **overrides):
   return Config(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
-def test_train_with_grain_equals_memory_and_resumes_mid_epoch_bit_identical(tmp_path, backend):
-  cfg = _text_config(tmp_path, backend=backend)
-  whole = train(cfg, progress=False)
-  assert whole.steps_per_epoch > 6  # so the stop at step 3 is in the middle of an epoch
-  assert len(whole.dataset.x_train) == cfg.batch_per_site  # the corpus was not loaded
-  memory = train(cfg.replace(pipeline="memory"), progress=False)
-  chex.assert_trees_all_close(whole.params, memory.params, atol=0, rtol=0)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """The uninterrupted 6-step grain run (vmap) every resumed run must reproduce exactly."""
+  cfg = _text_config(tmp_path_factory.mktemp("whole"))
+  return cfg, train(cfg, progress=False)
 
-  ckpt = str(tmp_path / "ckpt")
-  first = train(cfg.replace(steps=3, checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
-  assert first.final["step"] == 3
-  saved = list((tmp_path / "ckpt" / "3" / "data").glob("process_*-of-*.json"))
-  assert [p.name for p in saved] == ["process_0-of-1.json"]
-  assert '"next_index": 3' in saved[0].read_text()
-  resumed = train(cfg.replace(checkpoint_dir=ckpt, checkpoint_every=3), progress=False)
-  assert [row["step"] for row in resumed.history] == [6]
-  chex.assert_trees_all_close(resumed.params, whole.params, atol=0, rtol=0)
-  assert resumed.final["loss"] == whole.final["loss"]
+
+def test_train_with_grain_on_shard_map_equals_the_in_memory_path(tmp_path, whole):
+  cfg = whole[0].replace(backend="shard_map", eval_every=6)
+  grain_run = train(cfg, progress=False)
+  memory = train(cfg.replace(pipeline="memory"), progress=False)
+  assert grain_run.step_fn.local_sites == (0, 1, 2, 3)
+  chex.assert_trees_all_close(grain_run.params, memory.params, atol=0, rtol=0)
+
+
+def test_sigterm_mid_epoch_saves_the_read_ahead_pipeline_and_resumes_bit_identical(
+    tmp_path, whole, capsys):
+  import os
+  import shutil
+  import signal
+  from dadjax.errors import Stopped
+  cfg, ref = whole
+  assert ref.steps_per_epoch > 6  # so steps 3 and 4 are in the middle of an epoch
+  assert len(ref.dataset.x_train) == cfg.batch_per_site  # the corpus was not loaded
+  ckpt = tmp_path / "ckpt"
+  stopping = cfg.replace(eval_every=1, checkpoint_dir=str(ckpt), checkpoint_every=3,
+                         pipeline_prefetch=3)
+
+  def log(row):
+    if row["step"] == 4:  # the pipeline has read steps 4.. ahead; its state says 4
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.raises(Stopped, match="at step 4; checkpoint 4 saved"):
+    train(stopping, progress=False, log=log)
+  saved = sorted(p.name for p in (ckpt / "4" / "data").glob("process_*"))
+  assert saved == ["process_0-of-1.json"]  # Grain's handler: one file per process
+  assert '"next_index": 4' in (ckpt / "4" / "data" / saved[0]).read_text()
+  shutil.copytree(ckpt, tmp_path / "lost")
+  resumed = train(stopping, progress=False)
+  assert [row["step"] for row in resumed.history] == [5, 6]
+  chex.assert_trees_all_close(resumed.params, ref.params, atol=0, rtol=0)
+  # A step that lost its pipeline state is damaged: the run resumes from the one before.
+  shutil.rmtree(tmp_path / "lost" / "4" / "data")
+  capsys.readouterr()
+  again = train(stopping.replace(checkpoint_dir=str(tmp_path / "lost")), progress=False)
+  err = capsys.readouterr().err
+  assert "checkpoint step 4" in err and "no input pipeline state" in err
+  assert "resuming from checkpoint step 3" in err
+  chex.assert_trees_all_close(again.params, ref.params, atol=0, rtol=0)
+
+
+def test_pipeline_config_keys_are_checked():
+  with pytest.raises(ValueError, match="config.pipeline must be one of"):
+    Config(pipeline="tfdata")
+  with pytest.raises(ValueError, match="config.pipeline_prefetch must be an int >= 0"):
+    Config(pipeline_prefetch=-1)
