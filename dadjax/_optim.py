@@ -2,7 +2,10 @@
 
 ``optimizer`` is ``"sgd"`` (with the config's ``momentum``), ``"adam"``, or
 any optax alias with keyword arguments, written in the spec grammar:
-``"adamw(learning_rate=3e-4, weight_decay=0.1)"``, ``"lion(b1=0.95)"``.
+``"adamw(learning_rate=3e-4, weight_decay=0.1)"``, ``"lion(b1=0.95)"``, or
+Muon from ``optax.contrib`` (``"muon"``, ``"muon(beta=0.9)"``: Newton-Schulz
+orthogonalized momentum on matrices, AdamW on the other leaves; MuLoCo's
+inner optimizer, arXiv 2505.23725).
 ``learning_rate`` defaults to the config's schedule. ``lr_schedule`` is
 ``"constant"`` (``config.lr``), a step decay ``"step:FACTOR:S1[:S2...]"``,
 or any optax schedule with its arguments:
@@ -71,10 +74,17 @@ def _schedules() -> dict[str, Callable[..., Any]]:
 _NEEDS_LOSS = ("lbfgs",)
 
 
+# optax.contrib optimizers offered by name (contrib is optax's staging area; each is added
+# on purpose, not every contrib function).
+CONTRIB = ("muon",)
+
+
 def _aliases() -> dict[str, Callable[..., Any]]:
   """optax's optimizers: its functions whose first parameter is ``learning_rate``
-  (not the ``scale_by_*`` building blocks, nor those whose update needs the loss)."""
+  (not the ``scale_by_*`` building blocks, nor those whose update needs the loss),
+  and the :data:`CONTRIB` optimizers of ``optax.contrib``."""
   import optax  # pylint: disable=g-import-not-at-top
+  import optax.contrib  # pylint: disable=g-import-not-at-top
   out = {}
   for n in dir(optax):
     fn = getattr(optax, n)
@@ -83,6 +93,9 @@ def _aliases() -> dict[str, Callable[..., Any]]:
     params = list(inspect.signature(fn).parameters)
     if params and params[0] == "learning_rate":
       out[n] = fn
+  for n in CONTRIB:
+    if n not in out and hasattr(optax.contrib, n):
+      out[n] = getattr(optax.contrib, n)
   return out
 
 

@@ -245,7 +245,7 @@ def test_accumulate_around_diloco_counts_optimizer_steps():
 
 def test_specs_build_and_wrap_the_local_optimizer():
   names = {e.name for e in dadjax.registry.entries() if e.family == "local"}
-  assert names == {"local_sgd", "diloco", "streaming_diloco"}
+  assert names == {"local_sgd", "diloco", "streaming_diloco", "sparseloco", "demo"}
   text = cli.describe_methods()  # what `dadjax methods` prints
   for form in ("local_sgd:EVERY", "diloco(EVERY", "streaming_diloco(EVERY"):
     assert form in text

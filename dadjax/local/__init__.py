@@ -9,16 +9,29 @@ and an outer optimizer applies it to the synchronized (anchor) parameters:
 * :func:`diloco`: an outer optimizer (SGD with Nesterov momentum) on the
   averaged pseudo-gradient, which may be compressed (``"qsgd:4"``);
 * :func:`streaming_diloco`: the same in staggered fragments, each merged
-  ``delay`` steps after it was sent (:func:`sync_plan`).
+  ``delay`` steps after it was sent (:func:`sync_plan`);
+* :func:`sparseloco`: top-k per block of a decaying error-feedback memory,
+  2-bit values, plain outer SGD (the memory replaces the outer momentum);
+* :func:`demo`: per-site momentum whose top-k DCT components per block are
+  shared and removed, sign-SGD on their mean.
+
+The two steps of a synchronization are parameters of :func:`local_updates`:
+a :class:`Communicate` (:func:`averaging`: fp32, a compressor, or a decaying
+error-feedback memory) and a :class:`Merge` (:func:`outer_step`), so a new
+variant is a new pair of functions.
 
 Each is an optax transformation that wraps the local optimizer and plugs
 into :func:`~dadjax.make_train_step` alone (it communicates itself); its
 state is a :class:`LocalState` whose ledger is a
 :class:`~dadjax.comm.PeriodicStats`. Specs: ``local_sgd:H``,
 ``diloco:H[:outer_lr=..][:compress=SPEC]``,
-``streaming_diloco:H:fragments=P:delay=TAU[:compress=SPEC]``.
+``streaming_diloco:H:fragments=P:delay=TAU[:compress=SPEC]``, ``sparseloco:H``,
+``demo[:H]``.
 """
 
+from dadjax.local._chunked import ChunkedPayload, chunked_topk
+from dadjax.local._dct import ChunkLayout, chunk_layout, dct_matrix, from_chunks, to_chunks
+from dadjax.local._frontier import demo, demo_outer, sparseloco
 from dadjax.local._periodic import (
     LocalState,
     SyncPlan,
@@ -29,6 +42,8 @@ from dadjax.local._periodic import (
     streaming_diloco,
     sync_plan,
 )
+from dadjax.local._steps import (Communicate, Exchange, Merge, Outer, averaging, exchange_init,
+                                 exchange_mean, outer_init, outer_merge, outer_step)
 from dadjax.local import _methods  # registers the specs  # noqa: F401
 
 __all__ = [
@@ -40,4 +55,24 @@ __all__ = [
     "LocalState",
     "SyncPlan",
     "sync_plan",
+    "sparseloco",
+    "demo",
+    "demo_outer",
+    "chunked_topk",
+    "ChunkedPayload",
+    "ChunkLayout",
+    "chunk_layout",
+    "to_chunks",
+    "from_chunks",
+    "dct_matrix",
+    "Communicate",
+    "Merge",
+    "Exchange",
+    "Outer",
+    "averaging",
+    "exchange_init",
+    "exchange_mean",
+    "outer_step",
+    "outer_init",
+    "outer_merge",
 ]

@@ -1,4 +1,5 @@
-"""The local-update methods as specs: ``local_sgd:H``, ``diloco:H``, ``streaming_diloco:H``.
+"""The local-update methods as specs: ``local_sgd:H``, ``diloco:H``, ``streaming_diloco:H``,
+``sparseloco:H``, ``demo[:H]``.
 
 Each wraps the run's local optimizer (``Method.wrap``): the config's
 optimizer becomes the inner optimizer, and the method communicates alone.
@@ -10,6 +11,7 @@ from typing import Any
 
 import optax
 
+from dadjax.local._frontier import demo, sparseloco
 from dadjax.local._periodic import diloco, local_sgd, streaming_diloco
 from dadjax.registry import COMPRESSOR, Arg, ArgumentError, BuildContext, Method, register_method
 
@@ -74,3 +76,58 @@ def _streaming_diloco(ctx: BuildContext, every: int, fragments: int = 2, delay: 
   return _method("streaming_diloco", lambda inner: streaming_diloco(
       inner, every, fragments, delay, alpha, outer, compress, axis_name=ctx.axis_name,
       seed=ctx.seed))
+
+
+_CHUNK_ARGS = (
+    Arg("chunk", int, within="[1, inf)", positional=False,
+        doc="block side s: s x s blocks (vectors: 1-D chunks of at most s)"),
+)
+
+
+@register_method(
+    "sparseloco", _EVERY,
+    Arg("k", int, within="[1, inf)", positional=False, doc="entries kept per block"),
+    *_CHUNK_ARGS,
+    Arg("values", COMPRESSOR, positional=False,
+        doc="stateless quantizer of the kept values (identity: fp32)"),
+    Arg("decay", float, within="[0, 1]", positional=False,
+        doc="beta: decay of the error-feedback memory"),
+    Arg("outer_lr", float, within="(0, inf)", positional=False, doc="outer SGD learning rate"),
+    family="local",
+    doc="SparseLoCo: H inner steps, then top-k per 64x64 block of a decaying error-feedback "
+        "memory, 2-bit values, outer SGD (arXiv 2508.15706)")
+def _sparseloco(ctx: BuildContext, every: int, k: int = 64, chunk: int = 64,
+                values: Any = "terngrad", decay: float = 0.95, outer_lr: float = 1.0) -> Method:
+  """:func:`~dadjax.local.sparseloco` around the run's optimizer."""
+  return _method("sparseloco", lambda inner: sparseloco(
+      inner, every, k=k, chunk=chunk, values=values, decay=decay, outer_lr=outer_lr,
+      axis_name=ctx.axis_name, seed=ctx.seed))
+
+
+@register_method(
+    "demo",
+    Arg("every", int, within="[1, inf)", doc="inner steps between exchanges (DeMo: 1)"),
+    Arg("k", int, within="[1, inf)", positional=False, doc="DCT coefficients kept per block"),
+    *_CHUNK_ARGS,
+    Arg("decay", float, within="[0, 1]", positional=False, doc="beta: decay of the momentum"),
+    Arg("lr", float, within="(0, inf)", positional=False,
+        doc="sign step's learning rate (default: the run's schedule)"),
+    Arg("weight_decay", float, within="[0, inf)", positional=False,
+        doc="decoupled weight decay"),
+    Arg("sign", bool, doc="apply the sign of the averaged components (the paper)"),
+    family="local",
+    doc="DeMo: per-site momentum, top-k of its DCT blocks shared and removed, sign-SGD on "
+        "their mean (arXiv 2411.19870; the run's optimizer feeds the momentum: sgd, "
+        "momentum=0 for the paper's)")
+def _demo(ctx: BuildContext, every: int = 1, k: int = 32, chunk: int = 64,
+          decay: float = 0.999, lr: float | None = None, weight_decay: float = 0.0,
+          sign: bool = True) -> Method:
+  """:func:`~dadjax.local.demo` around the run's optimizer; ``lr`` defaults to the run's."""
+  if lr is None:
+    if ctx.lr_schedule is None:
+      raise ArgumentError("lr is needed: give lr=VALUE in the spec, or build the method with "
+                          "the run's lr_schedule (`dadjax train` passes it)")
+    lr = ctx.lr_schedule
+  return _method("demo", lambda inner: demo(
+      inner, every, lr=lr, k=k, chunk=chunk, decay=decay, weight_decay=weight_decay,
+      sign=sign, axis_name=ctx.axis_name, seed=ctx.seed))

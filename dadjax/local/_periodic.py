@@ -25,10 +25,10 @@ import optax
 from dadjax._core.bits import as_bits
 from dadjax._core.vma import branch_matched_cond as typed_cond
 from dadjax._tree_utils import check_axis_name
-from dadjax.comm import (AccumulateState, PeriodicStats, bits_add, bits_const, bits_zero,
-                         find_comm_stats, metered_pmean, periodic_init, periodic_record,
-                         tree_dense_bits)
-from dadjax.compress import Compressor, EmptyState, exchange, step_keys
+from dadjax.comm import (AccumulateState, PeriodicStats, bits_add, bits_zero, find_comm_stats,
+                         periodic_init, periodic_record, tree_dense_bits)
+from dadjax.compress import Compressor
+from dadjax.local._steps import Communicate, Merge, averaging, outer_step
 
 
 class LocalState(NamedTuple):
@@ -243,7 +243,7 @@ def local_updates(
     inner: optax.GradientTransformation,
     every: int,
     *,
-    outer: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None = None,
     compressor: Compressor | str | None = None,
     fragments: int = 1,
     delay: int = 0,
@@ -251,26 +251,49 @@ def local_updates(
     axis_name: str | None = "data",
     seed: int = 0,
     name: str = "local_updates",
+    communicate: Communicate | None = None,
+    merge: Merge | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """The general local-update transformation behind :func:`local_sgd`, :func:`diloco`
-  and :func:`streaming_diloco` (see those for the arguments).
+  """The general local-update transformation behind :func:`local_sgd`, :func:`diloco`,
+  :func:`streaming_diloco`, :func:`~dadjax.local.sparseloco` and :func:`~dadjax.local.demo`
+  (see those for the arguments).
 
-  Long because it is one optax factory: init/update closures share the inner and outer
-  optimizers, the fragment plan and the exchange.
+  The two steps of a synchronization are parameters (:mod:`dadjax.local._steps`):
+  ``communicate`` averages a fragment's pseudo-gradient (default
+  :func:`~dadjax.local.averaging` of ``compressor``), ``merge`` applies the average
+  (default :func:`~dadjax.local.outer_step` of ``outer`` and ``alpha``). Give either
+  ``compressor`` or ``communicate``, and either ``outer`` (with ``alpha``) or ``merge``.
+
+  Long because it is one optax factory: init/update closures share the inner
+  optimizer, the fragment plan and the two steps.
   """
   inner = _check_inner(name, inner)
-  if not isinstance(outer, optax.GradientTransformation):
-    raise ValueError(f"{name}: outer must be an optax GradientTransformation (e.g. "
-                     f"optax.sgd(0.7, momentum=0.9, nesterov=True)), got {type(outer).__name__}")
   every, fragments, delay = _check_schedule(every, fragments, delay, name)
   if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha <= 1:
     raise ValueError(f"{name}: alpha must be a float in [0, 1] (the weight of the local parameters in "
                      f"the merge), got {alpha!r}")
   alpha = float(alpha)
-  compressor = check_compressor(compressor, name)
   axis_name = check_axis_name(axis_name)
   if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
     raise ValueError(f"{name}: seed must be an int, got {seed!r}")
+  if merge is None:
+    if not isinstance(outer, optax.GradientTransformation):
+      raise ValueError(f"{name}: outer must be an optax GradientTransformation (e.g. optax.sgd(0.7, "
+                       f"momentum=0.9, nesterov=True)), got {type(outer).__name__}")
+    merge = outer_step(outer, alpha)
+  elif outer is not None or alpha:
+    raise ValueError(f"{name}: give merge or outer / alpha, not both (merge replaces the outer step)")
+  elif not isinstance(merge, Merge):
+    raise ValueError(f"{name}: merge must be a dadjax.local.Merge (e.g. dadjax.local.outer_step("
+                     f"optax.sgd(1.0))), got {type(merge).__name__}")
+  if communicate is None:
+    communicate = averaging(check_compressor(compressor, name), axis_name=axis_name, seed=seed)
+  elif compressor is not None:
+    raise ValueError(f"{name}: give communicate or compressor, not both (communicate replaces the "
+                     "averaging of the pseudo-gradient)")
+  elif not isinstance(communicate, Communicate):
+    raise ValueError(f"{name}: communicate must be a dadjax.local.Communicate (e.g. "
+                     f"dadjax.local.averaging(dadjax.qsgd(4))), got {type(communicate).__name__}")
   inner = optax.with_extra_args_support(inner)
   plans: dict = {}
 
@@ -285,31 +308,11 @@ def local_updates(
     inner_state = inner.init(params)
     _refuse_inner_state(name, inner_state)
     parts = [_leaves_of(params, plan.leaves, p) for p in range(plan.fragments)]
-    codec = tuple(compressor.init(part) if compressor is not None else EmptyState()
-                  for part in parts)
+    codec = tuple(communicate.init(part) for part in parts)
     pending = jax.tree.map(jnp.zeros_like, params) if delay else None
     return LocalState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.asarray, params), inner_state,
-                      tuple(outer.init(part) for part in parts), codec, pending,
+                      tuple(merge.init(part) for part in parts), codec, pending,
                       periodic_init(every, plan.fragments))
-
-  def communicate(delta, codec_state, step):
-    if compressor is None:
-      mean, traffic = metered_pmean(delta, axis_name)
-      return mean, codec_state, traffic
-    out = exchange(compressor, delta, codec_state, step_keys(int(seed), step, axis_name),
-                   axis_name)
-    return out.mean, out.state, out.traffic
-
-  def merge(local, anchor, mean, outer_state):
-    """Outer step on the anchor with the averaged pseudo-gradient; the site's merged params."""
-    outer_updates, outer_state = outer.update(mean, outer_state, anchor)
-    anchor = optax.apply_updates(anchor, outer_updates)
-    if alpha == 0.0:
-      local = anchor
-    else:
-      local = jax.tree.map(lambda l, g: (alpha * l + (1 - alpha) * g).astype(l.dtype),
-                           local, anchor)
-    return local, anchor, outer_state
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -335,13 +338,13 @@ def local_updates(
       def do_send(ops, p=p):
         loc_p, anc_p, outer_state, codec_state, pend_p = ops
         delta = jax.tree.map(lambda a, l: a - l, anc_p, loc_p)
-        mean, codec_state, t = communicate(delta, codec_state, state.count)
+        mean, codec_state, t = communicate.run(delta, codec_state, state.count)
         traffic = (as_bits(t.reduce), as_bits(t.gather), jnp.int32(t.reduce_calls),
                    jnp.int32(t.gather_calls))
         if delay:
           pend_p = mean
         else:
-          loc_p, anc_p, outer_state = merge(loc_p, anc_p, mean, outer_state)
+          loc_p, anc_p, outer_state = merge.run(loc_p, anc_p, mean, outer_state)
         return (loc_p, anc_p, outer_state, codec_state, pend_p), traffic
 
       def no_send(ops):
@@ -357,7 +360,7 @@ def local_updates(
 
         def do_merge(ops):
           loc_p, anc_p, outer_state, pend_p = ops
-          loc_p, anc_p, outer_state = merge(loc_p, anc_p, pend_p, outer_state)
+          loc_p, anc_p, outer_state = merge.run(loc_p, anc_p, pend_p, outer_state)
           return loc_p, anc_p, outer_state, pend_p
 
         loc_p, anc_p, outers[p], pend_p = typed_cond(arrive, do_merge, lambda ops: ops,

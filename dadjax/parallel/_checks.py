@@ -15,7 +15,8 @@ communicates when its state holds a bit ledger or declares ``COMMUNICATES``.
 * A communicating transformation after a per-site stateful one in a chain
   (``chain(adam, compressed(...))``: per-site Adam moments, and the method
   compresses Adam's updates). State classes declaring ``ANY_POSITION``
-  (methods that average parameters) may follow.
+  (methods that average parameters, or a transformation wrapped in
+  :func:`dadjax.after_local_state` to say the order is the method) may follow.
 * A model that communicates in its backward pass (sows ``"comm"`` bits:
   dAD layers) with no transformation booking that traffic (no state
   declaring ``BOOKS_MODEL_COMM``): its traffic would be missed and the

@@ -1,0 +1,176 @@
+"""Top-k per chunk (optionally of DCT coefficients, optionally with quantized values).
+
+The compressor SparseLoCo and DeMo send: every tensor is cut into chunks
+(:mod:`dadjax.local._dct`), each chunk keeps its ``k`` largest-magnitude
+entries (the catalog's :func:`~dadjax.compress.topk`, run on every chunk),
+the kept values travel as they are or through a stateless quantizer of the
+catalog (``terngrad``: 2 bits), and their positions inside the chunk travel
+packed at ``ceil(log2(chunk size))`` bits each (12 bits for a 64 x 64 block).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dadjax._core.packing import code_bits, pack_bits, unpack_bits
+from dadjax._tree_utils import check_float_leaves, tree_nbits
+from dadjax.compress import Compressor, EmptyState, topk
+from dadjax.local._dct import ChunkLayout, chunk_layout, from_chunks, to_chunks
+
+
+class ChunkedPayload(NamedTuple):
+  """What a site sends: the kept values (raw, or the quantizer's payload) and packed positions.
+
+  Attributes:
+    values: a tuple with one ``(chunks, k)`` array per leaf, or the value
+      quantizer's payload of that tuple.
+    positions: a tuple with one uint32 word array per leaf: the kept
+      positions inside their chunks, ``code_bits(chunk size)`` bits each.
+  """
+
+  values: Any
+  positions: tuple
+
+
+def _kept(layout: ChunkLayout, k: int) -> int:
+  return min(k, layout.size)
+
+
+def chunked_topk(k: int = 32, chunk: int = 64, *, dct: bool = False,
+                 values: Compressor | None = None) -> Compressor:
+  """Keep the ``k`` largest-magnitude entries of every chunk of every tensor.
+
+  Each tensor is cut into ``a x b`` blocks of at most ``chunk x chunk``
+  entries (vectors: 1-D chunks of at most ``chunk``; see
+  :mod:`dadjax.local._dct`); with ``dct=True`` each block is first replaced
+  by its orthonormal DCT-II coefficients (DeMo). Every chunk keeps its
+  ``min(k, chunk size)`` largest coefficients by magnitude (ties to the
+  lower position, :func:`~dadjax.compress.topk`'s rule). Sites all-gather
+  the payloads; the average is the sum of every site's sparse chunks over
+  the number of sites, brought back by the inverse DCT.
+
+  Args:
+    k: entries kept per chunk, an int >= 1 (DeMo: 32; SparseLoCo: 64 of a
+      4096-entry block, 1.56%).
+    chunk: target block side ``s``, an int >= 1 (both papers: 64).
+    dct: select DCT coefficients instead of entries.
+    values: a stateless compressor of the kept values (each tensor's
+      ``(chunks, k)`` values are one leaf for it), e.g.
+      ``dadjax.compress.terngrad()`` for 2 bits; ``None`` sends them in the
+      tensor's dtype.
+
+  Returns:
+    A ``"gather"`` :class:`~dadjax.compress.Compressor` whose payload is a
+    :class:`ChunkedPayload`; its bits are the payload's storage size.
+
+  Raises:
+    ValueError: ``k`` or ``chunk`` not an int >= 1, ``values`` not a
+      compressor; at ``init``, a stateful ``values`` compressor.
+
+  References:
+    B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum
+    Optimization", 2024 (https://arxiv.org/abs/2411.19870); A. Sarfi et al.,
+    "Communication Efficient LLM Pre-training with SparseLoCo", 2025
+    (https://arxiv.org/abs/2508.15706).
+  """
+  for name, v in (("k", k), ("chunk", chunk)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"chunked_topk: {name} must be an int >= 1, got {v!r}")
+  if values is not None and not isinstance(values, Compressor):
+    raise ValueError(f"chunked_topk: values must be None or a dadjax Compressor (e.g. "
+                     f"dadjax.compress.terngrad()), got {type(values).__name__}")
+  name = ("dct_" if dct else "") + "chunked_topk"
+
+  def layouts(tree):
+    return [chunk_layout(tuple(jnp.shape(x)), chunk) for x in jax.tree.leaves(tree)]
+
+  def values_like(tree):
+    """The tree of kept values: one ``(chunks, k)`` array per leaf, paths kept."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct((lay.chunks, _kept(lay, k)), jnp.result_type(x))
+        for x, lay in zip(leaves, layouts(tree))])
+
+  def init(params):
+    check_float_leaves(params, name)
+    if values is not None and jax.tree.leaves(values.init(values_like(params))):
+      raise ValueError(f"{name}: values must be a stateless compressor (no error feedback, no "
+                       "warm start): the kept values are new every exchange")
+    return EmptyState()
+
+  def select(rows: jax.Array, layout: ChunkLayout):
+    """The catalog's top-k on every chunk: ``(values, positions)``, each ``(chunks, k)``."""
+    kept = _kept(layout, k)
+    top = topk(kept / layout.size)
+    one = lambda r: top.compress(r, EmptyState(), jax.random.key(0))[0][0]
+    sparse = jax.vmap(one)(rows)
+    return sparse.values, sparse.indices
+
+  def compress(grads, state, key):
+    check_float_leaves(grads, name)
+    leaves, treedef = jax.tree.flatten(grads)
+    kept, words = [], []
+    for x, lay in zip(leaves, layouts(grads)):
+      vals, pos = select(to_chunks(x, lay, dct), lay)
+      kept.append(vals.astype(x.dtype))
+      words.append(pack_bits(pos.reshape(-1).astype(jnp.uint32), code_bits(lay.size)))
+    vals = jax.tree.unflatten(treedef, kept)
+    if values is not None:
+      vals, _ = values.compress(vals, EmptyState(), key)
+    return ChunkedPayload(vals, tuple(words)), state
+
+  def rows_of(payload, like, key):
+    """Every leaf's dense ``(chunks, size)`` rows of coefficients (fp32), from one payload."""
+    leaves = jax.tree.leaves(like)
+    lays = layouts(like)
+    vals = payload.values
+    if values is not None:
+      vals = values.decompress(vals, values_like(like), key)
+    out = []
+    for x, lay, v, w in zip(leaves, lays, jax.tree.leaves(vals), payload.positions):
+      kept = _kept(lay, k)
+      pos = unpack_bits(w, code_bits(lay.size), lay.chunks * kept).reshape(lay.chunks, kept)
+      rows = jnp.zeros((lay.chunks, lay.size), jnp.float32)
+      rows = rows.at[jnp.arange(lay.chunks)[:, None], pos.astype(jnp.int32)].add(
+          v.astype(jnp.float32))
+      out.append(rows)
+    return out
+
+  def back(rows, like):
+    leaves, treedef = jax.tree.flatten(like)
+    return jax.tree.unflatten(treedef, [
+        from_chunks(r, lay, dct).astype(jnp.result_type(x))
+        for r, x, lay in zip(rows, leaves, layouts(like))])
+
+  def decompress(payload, like, key):
+    return back(rows_of(payload, like, key), like)
+
+  def aggregate(gathered, like, key):
+    n = jax.tree.leaves(gathered)[0].shape[0]
+    per_site = jax.vmap(lambda p: rows_of(p, like, key))(gathered)
+    # the inverse DCT is linear: average the coefficients, transform once
+    return back([jnp.sum(r, axis=0) / n for r in per_site], like)
+
+  return Compressor(init, compress, decompress, tree_nbits, "gather", aggregate, name=name)
+
+
+def chunked_bits(shapes: list[tuple[int, ...]], k: int, chunk: int, value_bits: int = 32,
+                 scale_bits: int = 0) -> int:
+  """The payload bits :func:`chunked_topk` sends for tensors of ``shapes``, from the layout alone.
+
+  Values: ``value_bits`` per kept entry (packed in 32-bit words when below
+  32) plus ``scale_bits`` per tensor; positions: ``code_bits(chunk size)``
+  bits per kept entry, packed in uint32 words (:mod:`dadjax._core.packing`).
+  """
+  total = 0
+  for shape in shapes:
+    lay = chunk_layout(tuple(shape), chunk)
+    n = lay.chunks * _kept(lay, k)
+    total += 32 * math.ceil(n / 32) * code_bits(lay.size)
+    total += n * value_bits if value_bits == 32 else 32 * math.ceil(n / 32) * value_bits
+    total += scale_bits
+  return total
