@@ -1,4 +1,6 @@
 """The Grain input pipeline per host: sources, per-process rows, (seed, step) order, resumable state."""
+import json
+
 import chex
 import numpy as np
 import pytest
@@ -227,3 +229,48 @@ def test_pipeline_config_keys_are_checked():
     Config(pipeline="tfdata")
   with pytest.raises(ValueError, match="config.pipeline_prefetch must be an int >= 0"):
     Config(pipeline_prefetch=-1)
+
+
+# --------------------------------------------------------------- multihost ---
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_two_processes_read_their_own_rows_and_resume_like_the_one_process_run(tmp_path):
+  # 2 processes x 2 CPU devices, `dadjax train` with pipeline=grain on a text corpus: killed
+  # after step 2 (a checkpoint with one pipeline file per process) and resumed to step 4, it
+  # logs what one process on 4 sites logs uninterrupted.
+  import subprocess
+  import sys
+  from test_multihost import _free_port
+  from test_multihost_cli import _env, _wait
+  corpus = _corpus(tmp_path / "corpus", n_files=10, size=400)
+  ckpt = tmp_path / "ckpt"
+  args = [f"dataset=text:{corpus}/*.txt", 'dataset_kwargs={"seq_len": 16}',
+          "model=transformer_lm", f"model_kwargs={json.dumps(TINY_LM)}", "num_sites=4",
+          "batch_per_site=2", "eval_every=2", "optimizer=adam", "lr=0.01",
+          "partition=by_class", "pipeline=grain", "checkpoint_every=2"]
+
+  def cli(extra, processes):
+    port, flags = _free_port(), []
+    procs = []
+    for i in range(processes):
+      if processes > 1:
+        flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+                 "--process-id", str(i)]
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "dadjax.cli", "train", "--no-progress", *flags, *args, *extra],
+          env=_env(2 if processes > 1 else None), stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, text=True))
+    return _wait(procs)
+
+  cli(["steps=2", f"checkpoint_dir={ckpt}"], 2)
+  assert sorted(p.name for p in (ckpt / "2" / "data").glob("process_*")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  (rows0, err0), (rows1, err1) = cli(["steps=4", f"checkpoint_dir={ckpt}"], 2)
+  ((whole, _),) = cli(["steps=4"], 1)
+  assert "resuming from checkpoint step 2" in err0
+  assert "sites [0, 1] of 4: host batch (4, 16)" in err0
+  assert "sites [2, 3] of 4: host batch (4, 16)" in err1
+  assert rows0 == rows1 and [r["step"] for r in rows0] == [4]
+  for k in ("loss", "test_loss", "test_accuracy"):
+    assert rows0[-1][k] == pytest.approx(whole[-1][k], rel=1e-5, abs=1e-6), k
