@@ -36,7 +36,7 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -155,11 +155,54 @@ def _rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+class Projection(nn.Module):
+  """A dense projection with a logically partitioned kernel of any rank.
+
+  ``y = dot_general(x, kernel)`` over ``x``'s last ``contract`` axes; the
+  kernel has shape ``x.shape[-contract:] + features`` and the logical names
+  ``names`` (in that order), fp32, cast to ``dtype`` for the contraction.
+  Written out rather than ``nn.DenseGeneral`` because DenseGeneral draws a
+  multi-axis kernel flat and unboxes it (a sharding constraint of the full
+  rank on the flat array) inside every ``param`` call, which fails under an
+  active mesh with logical rules.
+
+  Attributes:
+    features: the output axes' sizes.
+    names: the kernel's logical axis names (``contract + len(features)`` of them).
+    contract: how many trailing input axes are contracted.
+    dtype: compute dtype.
+    use_bias: add a bias of shape ``features`` (outside the contraction).
+    dot_general_cls: the contraction's class (``None``: ``lax.dot_general``).
+  """
+
+  features: tuple
+  names: tuple
+  contract: int = 1
+  dtype: str = "float32"
+  use_bias: bool = False
+  dot_general_cls: Any = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c, dtype = self.contract, jnp.dtype(self.dtype)
+    shape = tuple(x.shape[-c:]) + tuple(self.features)
+    kernel = self.param("kernel", _param(nn.initializers.normal(0.02), self.names), shape,
+                        jnp.float32)
+    dims = ((tuple(range(x.ndim - c, x.ndim)), tuple(range(c))), ((), ()))
+    dot = self.dot_general_cls() if self.dot_general_cls is not None else jax.lax.dot_general
+    y = dot(x.astype(dtype), kernel.astype(dtype), dims)
+    if self.use_bias:
+      bias = self.param("bias", _param(nn.initializers.zeros, self.names[c:]),
+                        tuple(self.features), jnp.float32)
+      y = y + bias.astype(dtype)
+    return y
+
+
 class GPTBlock(nn.Module):
   """One pre-LN decoder block: ``x + Attn(LN(x))`` then ``x + MLP(LN(x))``.
 
   ``__call__(x, _)`` returns ``(x, None)`` (the form ``nn.scan`` carries).
-  Projections: ``query``, ``key``, ``value`` (``DenseGeneral`` to ``(heads,
+  Projections (:class:`Projection`): ``query``, ``key``, ``value`` (to ``(heads,
   kv)``, kernels ``("embed", "heads", "kv")``), ``out`` (``("heads", "kv",
   "embed")``), ``mlp_in`` (``("embed", "mlp")``), ``mlp_out`` (``("mlp",
   "embed")``), each with ``dot_general_cls``. Causal softmax attention in
@@ -181,24 +224,17 @@ class GPTBlock(nn.Module):
     dtype = jnp.dtype(self.dtype)
     b, t, d = x.shape
     h, kv = self.num_heads, self.d_model // self.num_heads
-    init = nn.initializers.normal(0.02)
-    # GPT-2: residual projections scaled down; the block count is unknown here, so
-    # the scaled init is left to the optimizer (a plain 0.02 is what nanoGPT starts from too).
-    dense = dict(dtype=dtype, param_dtype=jnp.float32, use_bias=self.use_bias,
-                 dot_general_cls=self.dot_general_cls)
+    proj = functools.partial(Projection, dtype=self.dtype, use_bias=self.use_bias,
+                             dot_general_cls=self.dot_general_cls)
     norm = dict(dtype=dtype, param_dtype=jnp.float32,
                 scale_init=_param(nn.initializers.ones, ("embed",)),
                 bias_init=_param(nn.initializers.zeros, ("embed",)))
-    heads_bias = _param(nn.initializers.zeros, ("heads", "kv"))
-    embed_bias = _param(nn.initializers.zeros, ("embed",))
 
     y = nn.LayerNorm(name="ln_attn", **norm)(x)
-    proj = lambda name: nn.DenseGeneral((h, kv), kernel_init=_param(init, ("embed", "heads", "kv")),
-                                        bias_init=heads_bias, name=name, **dense)(y)
     act = ("batch", "length", "heads", "kv")
-    q = nn.with_logical_constraint(proj("query"), act)
-    k = nn.with_logical_constraint(proj("key"), act)
-    v = nn.with_logical_constraint(proj("value"), act)
+    qkv = lambda name: nn.with_logical_constraint(
+        proj((h, kv), ("embed", "heads", "kv"), name=name)(y), act)
+    q, k, v = qkv("query"), qkv("key"), qkv("value")
     if self.positions == "rotary":
       pos = jnp.arange(t)
       q, k = _rotary(q, pos), _rotary(k, pos)
@@ -206,18 +242,14 @@ class GPTBlock(nn.Module):
     keep = jnp.tril(jnp.ones((t, t), bool))
     logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
     attn = jax.nn.softmax(logits, axis=-1).astype(dtype)
-    y = jnp.einsum("bhqk,bkhd->bqhd", attn, v)
-    y = nn.with_logical_constraint(y, act)
-    y = nn.DenseGeneral(d, axis=(-2, -1), kernel_init=_param(init, ("heads", "kv", "embed")),
-                        bias_init=embed_bias, name="out", **dense)(y)
+    y = nn.with_logical_constraint(jnp.einsum("bhqk,bkhd->bqhd", attn, v), act)
+    y = proj((d,), ("heads", "kv", "embed"), contract=2, name="out")(y)
     x = nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
 
     y = nn.LayerNorm(name="ln_mlp", **norm)(x)
-    y = nn.Dense(self.mlp_dim, kernel_init=_param(init, ("embed", "mlp")),
-                 bias_init=_param(nn.initializers.zeros, ("mlp",)), name="mlp_in", **dense)(y)
+    y = proj((self.mlp_dim,), ("embed", "mlp"), name="mlp_in")(y)
     y = nn.with_logical_constraint(nn.gelu(y), ("batch", "length", "mlp"))
-    y = nn.Dense(d, kernel_init=_param(init, ("mlp", "embed")), bias_init=embed_bias,
-                 name="mlp_out", **dense)(y)
+    y = proj((d,), ("mlp", "embed"), name="mlp_out")(y)
     x = nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
     return x, None
 
@@ -314,7 +346,12 @@ class GPT(nn.Module):
     embed = nn.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=jnp.float32,
                      embedding_init=_param(nn.initializers.normal(0.02), ("vocab", "embed")),
                      name="embed")
-    x = embed(tokens)
+    # The lookup reads the table whole inside the site (FSDP gathers it for the forward pass
+    # anyway): the gradient of a gather from a table sharded over an automatic axis inside a
+    # partially manual shard_map aborts XLA's SPMD partitioner (spmd_partitioner_util.cc:497,
+    # reproduced by tests/test_slices.py::test_xla_limitations_that_the_placement_works_around).
+    table = nn.with_logical_constraint(embed.embedding, (None, None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
     if self.positions == "learned":
       pos = self.param("pos_embed", _param(nn.initializers.normal(0.02), (None, "embed")),
                        (self.max_len, self.d_model), jnp.float32)
@@ -346,11 +383,9 @@ class GPT(nn.Module):
     if self.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=jnp.float32,
-                        use_bias=self.use_bias,
-                        kernel_init=_param(nn.initializers.normal(0.02), ("embed", "vocab")),
-                        bias_init=_param(nn.initializers.zeros, ("vocab",)),
-                        dot_general_cls=self._dot_general_cls(), name="head")(x)
+      logits = Projection((self.vocab_size,), ("embed", "vocab"), dtype=self.dtype,
+                          use_bias=self.use_bias, dot_general_cls=self._dot_general_cls(),
+                          name="head")(x)
     logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
     return logits.astype(jnp.float32)
 
