@@ -53,9 +53,17 @@ class Config:
       ``num_sites x per_site`` devices (``backend="shard_map"`` only): the
       method communicates between sites, each site averages exactly over
       its devices, and ``batch_per_site`` rows split over them.
-    shard_params: with ``per_site > 1``, split each site's parameters and
-      optimizer state over its devices (FSDP-style; only for the methods
-      that support it, see :func:`dadjax.make_train_step`). Default ``False``.
+    shard_params: with ``per_site > 1``, FSDP: split each site's
+      parameters (those the model does not shard itself) and their optimizer
+      state over the site's devices (:func:`dadjax.make_train_step`).
+      Default ``False``.
+    mesh_inner: named in-site axes, e.g. ``{"fsdp": 2, "model": 2}``
+      (:func:`dadjax.make_mesh`'s ``inner``) instead of one ``per_site``
+      axis; ``per_site`` is then their product. Default ``{}``.
+    rules: the model's logical-axis rules by name (``"fsdp"``, ``"tp"``,
+      ``"fsdp_tp"``, ``"replicated"``: :func:`dadjax.models.gpt_rules`,
+      over mesh axes ``"fsdp"`` and ``"model"``); ``None``: the model's own
+      partitioning only.
     backend: ``"shard_map"``, ``"pmap"`` or ``"vmap"``.
     partition: ``"iid"``, ``"by_class"`` or ``"dirichlet"``.
     pipeline: ``"memory"`` (default: the training rows held in memory,
@@ -111,6 +119,8 @@ class Config:
   num_sites: int = 8
   per_site: int = 1
   shard_params: bool = False
+  mesh_inner: dict = dataclasses.field(default_factory=dict)
+  rules: str | None = None
   backend: str = "shard_map"
   partition: str = "iid"
   pipeline: str = "memory"
@@ -169,6 +179,19 @@ class Config:
     _check_range("latency", self.latency, low=0.0, low_open=False)
     _check_range("intra_bandwidth", self.intra_bandwidth, low=0.0)
     _check_range("intra_latency", self.intra_latency, low=0.0, low_open=False)
+    if self.mesh_inner:
+      sizes = list(self.mesh_inner.values())
+      if any(not isinstance(k, str) or k == "data" for k in self.mesh_inner) or any(
+          isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+        raise ConfigError("config.mesh_inner must map in-site axis names (not 'data') to sizes "
+                          f">= 1, got {self.mesh_inner!r}")
+      if self.per_site not in (1, math.prod(sizes)):
+        raise ConfigError(f"config.per_site={self.per_site} disagrees with config.mesh_inner="
+                          f"{self.mesh_inner!r} (product {math.prod(sizes)}); give one of them")
+      object.__setattr__(self, "per_site", math.prod(sizes))
+    if self.rules is not None and self.rules not in ("fsdp", "tp", "fsdp_tp", "replicated"):
+      raise ConfigError("config.rules must be one of ['fsdp', 'tp', 'fsdp_tp', 'replicated'] "
+                        f"or None, got {self.rules!r}")
     if self.per_site > 1 and self.backend != "shard_map":
       raise ConfigError(f"config.per_site={self.per_site} needs backend='shard_map' (a 2-D "
                         f"mesh); backend={self.backend!r} runs one device per site")

@@ -145,8 +145,10 @@ def build(config: Config):
   model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs,
                            nnx_seed=config.seed)  # an NNX class: rngs=nnx.Rngs(seed, ...)
   if config.per_site > 1:
-    placement = {"mesh": make_mesh(sites=config.num_sites, per_site=config.per_site),
-                 "shard_params": config.shard_params}
+    mesh = (make_mesh(sites=config.num_sites, inner=dict(config.mesh_inner))
+            if config.mesh_inner else make_mesh(sites=config.num_sites, per_site=config.per_site))
+    placement = {"mesh": mesh, "shard_params": config.shard_params,
+                 "rules": None if config.rules is None else models.gpt_rules(config.rules)}
   else:
     placement = {"num_sites": config.num_sites}
   lm = np.ndim(dataset.y_train) == 2  # next-token targets (rows, T): per-token metrics
