@@ -8,6 +8,7 @@ import pytest
 from dadjax import data
 from dadjax.config import Config
 from dadjax.train import train
+from test_data import tfds_dir  # noqa: F401  (the tiny prepared tfds sets, a fixture)
 
 
 def _corpus(root, n_files=8, size=700):
@@ -125,6 +126,17 @@ def test_array_record_source_through_the_pipeline(tmp_path):
   parts = data.partition(y, 2, "iid")
   got = data.SitePipeline(src, parts, 3).batch_at(4)
   want = data.SiteBatcher(x, y, parts, 3).batch_at(4)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_tfds_source_rows_equal_load_tfds(tfds_dir):
+  ds = data.load_tfds("tiny_images", data_dir=tfds_dir)
+  src = data.TfdsSource("tiny_images", "train", data_dir=tfds_dir)
+  assert len(src) == len(ds.x_train) and src.num_classes == 3
+  parts = data.partition(ds.y_train, 3, "by_class")
+  got = data.SitePipeline(src, parts, 2, sites=[1, 2]).batch_at(6)
+  want = data.SiteBatcher(ds.x_train, ds.y_train, parts, 2).batch_at(6, [1, 2])
   np.testing.assert_array_equal(got[0], want[0])
   np.testing.assert_array_equal(got[1], want[1])
 
