@@ -215,6 +215,49 @@ def test_rules_give_fsdp_tp_and_both():
     gpt_rules("zero3")
 
 
+def test_applies_under_a_mesh_with_the_rules():
+  # Regression: a multi-axis kernel drawn flat (nn.DenseGeneral) fails its own sharding
+  # constraint under an active mesh with logical rules.
+  model = make_gpt("gpt_tiny")
+  x = _tokens((4, 16))
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), x)["params"])
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  mesh = jax.make_mesh((2, 4), ("fsdp", "model"), axis_types=auto)
+
+  def apply(p, x):
+    with nn.logical_axis_rules(gpt_rules("fsdp_tp")):
+      return model.apply({"params": p}, x)
+
+  with jax.set_mesh(mesh):
+    got = jax.jit(apply)(params, x)
+  chex.assert_trees_all_close(got, jax.jit(model.apply)({"params": params}, x), atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, inner", [("tp", {"model": 4}), ("fsdp", {"fsdp": 4})])
+def test_trains_on_sites_of_four_devices_as_on_one(kind, inner):
+  import dadjax  # pylint: disable=g-import-not-at-top
+  from dadjax.parallel import make_mesh, unstack_site  # pylint: disable=g-import-not-at-top
+  model = make_gpt("gpt_tiny")
+  x = np.random.default_rng(0).integers(0, 256, (16, 17)).astype(np.int32)
+  batch = {"x": x[:, :-1], "y": x[:, 1:]}
+
+  def run(**placement):
+    tx = optax.chain(dadjax.allreduce("data"), optax.adam(1e-3))
+    step = dadjax.make_train_step(model, tx, **placement)
+    state = step.init(jax.random.key(0), batch["x"][:8])
+    for _ in range(3):
+      state, _ = step(state, batch)
+    return state
+
+  ref = run(num_sites=2, backend="vmap")
+  got = run(mesh=make_mesh(sites=2, inner=inner), rules=gpt_rules(kind))
+  kernel = got.params["layers"]["mlp_in"]["kernel"]  # (site, layers, embed, mlp)
+  want = P("data", None, None, "model") if kind == "tp" else P("data", None, "fsdp")
+  assert kernel.sharding.spec == want
+  chex.assert_trees_all_close(unstack_site(got.params), unstack_site(ref.params), atol=1e-5)
+
+
 def test_gpt_memory_equals_an_independent_count():
   fields = models.gpt_config("gpt_125m")
   count = _count(fields)
