@@ -210,8 +210,7 @@ def test_specs_state_their_defaults_and_refuse_bad_values():
   assert "sparseloco(EVERY[, k=.." in text and "demo[:EVERY][:sign]" in text
   for spec, match in [("sparseloco:4:k=0", r"k must be an int in \[1, inf\)"),
                       ("sparseloco:4:decay=2", r"decay must be a float in \[0, 1\]"),
-                      ("demo:chunk=0", r"chunk must be an int in \[1, inf\)"),
-                      ("demo", "lr is needed")]:
+                      ("demo:chunk=0", r"chunk must be an int in \[1, inf\)")]:
     with pytest.raises(dadjax.SpecError, match=match):
       dadjax.build_method(spec)
   with pytest.raises(ValueError, match="values must be a stateless compressor"):

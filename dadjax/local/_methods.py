@@ -111,7 +111,7 @@ def _sparseloco(ctx: BuildContext, every: int, k: int = 64, chunk: int = 64,
     *_CHUNK_ARGS,
     Arg("decay", float, within="[0, 1]", positional=False, doc="beta: decay of the momentum"),
     Arg("lr", float, within="(0, inf)", positional=False,
-        doc="sign step's learning rate (default: the run's schedule)"),
+        doc="sign step's learning rate (default: the run's schedule, else 4e-4)"),
     Arg("weight_decay", float, within="[0, inf)", positional=False,
         doc="decoupled weight decay"),
     Arg("sign", bool, doc="apply the sign of the averaged components (the paper)"),
@@ -122,12 +122,10 @@ def _sparseloco(ctx: BuildContext, every: int, k: int = 64, chunk: int = 64,
 def _demo(ctx: BuildContext, every: int = 1, k: int = 32, chunk: int = 64,
           decay: float = 0.999, lr: float | None = None, weight_decay: float = 0.0,
           sign: bool = True) -> Method:
-  """:func:`~dadjax.local.demo` around the run's optimizer; ``lr`` defaults to the run's."""
-  if lr is None:
-    if ctx.lr_schedule is None:
-      raise ArgumentError("lr is needed: give lr=VALUE in the spec, or build the method with "
-                          "the run's lr_schedule (`dadjax train` passes it)")
-    lr = ctx.lr_schedule
+  """:func:`~dadjax.local.demo` around the run's optimizer; ``lr`` defaults to the run's
+  schedule (``dadjax train`` passes it), else 4e-4."""
+  if lr is None:  # the run's learning rate, as DeMo has one; else the paper's (300M LM)
+    lr = ctx.lr_schedule if ctx.lr_schedule is not None else 4e-4
   return _method("demo", lambda inner: demo(
       inner, every, lr=lr, k=k, chunk=chunk, decay=decay, weight_decay=weight_decay,
       sign=sign, axis_name=ctx.axis_name, seed=ctx.seed))
