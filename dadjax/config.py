@@ -60,6 +60,9 @@ class Config:
     mesh_inner: named in-site axes, e.g. ``{"fsdp": 2, "model": 2}``
       (:func:`dadjax.make_mesh`'s ``inner``) instead of one ``per_site``
       axis; ``per_site`` is then their product. Default ``{}``.
+    compute_dtype: ``"float32"`` or ``"bfloat16"``: the model computes in
+      bf16 from fp32 master weights; gradients and every method's averaging
+      stay fp32 (:func:`dadjax.make_train_step`'s ``compute_dtype``).
     rules: the model's logical-axis rules by name (``"fsdp"``, ``"tp"``,
       ``"fsdp_tp"``, ``"replicated"``: :func:`dadjax.models.gpt_rules`,
       over mesh axes ``"fsdp"`` and ``"model"``); ``None``: the model's own
@@ -121,6 +124,7 @@ class Config:
   shard_params: bool = False
   mesh_inner: dict = dataclasses.field(default_factory=dict)
   rules: str | None = None
+  compute_dtype: str = "float32"
   backend: str = "shard_map"
   partition: str = "iid"
   pipeline: str = "memory"
@@ -189,6 +193,9 @@ class Config:
         raise ConfigError(f"config.per_site={self.per_site} disagrees with config.mesh_inner="
                           f"{self.mesh_inner!r} (product {math.prod(sizes)}); give one of them")
       object.__setattr__(self, "per_site", math.prod(sizes))
+    if self.compute_dtype not in ("float32", "bfloat16"):
+      raise ConfigError("config.compute_dtype must be one of ['float32', 'bfloat16'], got "
+                        f"{self.compute_dtype!r}")
     if self.rules is not None and self.rules not in ("fsdp", "tp", "fsdp_tp", "replicated"):
       raise ConfigError("config.rules must be one of ['fsdp', 'tp', 'fsdp_tp', 'replicated'] "
                         f"or None, got {self.rules!r}")

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -156,6 +157,8 @@ def build(config: Config):
                             backend=config.backend,
                             metrics_fn=data_lib.language_model_metrics if lm else None,
                             batch_stage=getattr(method, "batch_stage", None),
+                            compute_dtype=(None if config.compute_dtype == "float32"
+                                           else jnp.dtype(config.compute_dtype)),
                             collections=getattr(method, "collections", None))
   if config.pipeline == "grain":
     batcher.use_sites(step_fn.local_sites)

@@ -176,3 +176,38 @@ def default_metrics(aux, batch) -> dict:
   if preds is not None and jnp.issubdtype(y.dtype, jnp.floating) and preds.shape == y.shape:
     out["mse"] = _row_mean(squared_error_rows(preds, y), batch)
   return out
+
+
+def compute_in(loss_fn: LossFn, dtype: Any) -> LossFn:
+  """``loss_fn`` computed in ``dtype`` (e.g. bf16) from fp32 master weights.
+
+  The floating parameters and batch entries are cast to ``dtype`` before the
+  model runs, so its matmuls and activations are in ``dtype``; the gradient
+  flows back through the casts, so it arrives in the parameters' fp32, and
+  every method averages and applies fp32 gradients to fp32 weights (what
+  mixed-precision training on TPUs and GPUs does). Integer labels and
+  tokens are left as they are.
+
+  Args:
+    loss_fn: ``loss_fn(params, variables, batch, rng, train) -> (loss, aux)``.
+    dtype: the compute dtype, e.g. ``jnp.bfloat16``.
+
+  Returns:
+    The wrapped loss function; the loss is returned in fp32.
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018
+    (https://arxiv.org/abs/1710.03740).
+  """
+  dtype = jnp.dtype(dtype)
+
+  def cast(tree):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x),
+                                                                     jnp.floating) else x, tree)
+
+  def wrapped(params, variables, batch, rng, train):
+    value, aux = loss_fn(cast(params), variables, cast(batch), rng, train)
+    return value.astype(jnp.float32), aux
+
+  return wrapped
+

@@ -33,13 +33,15 @@ import sys
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dadjax._core.collections import CollectionRule, resolve_rules
 from dadjax._core.layers import stacked_layers
 from dadjax.comm import COMM_COLLECTION
 from dadjax.parallel._gradient import _split_aux
-from dadjax.parallel._losses import LossFn, MetricsFn, classification_loss, default_metrics
+from dadjax.parallel._losses import (LossFn, MetricsFn, classification_loss, compute_in,
+                                     default_metrics)
 from dadjax.parallel._placement import placement_of
 from dadjax.parallel._program import Recipe, site_program
 from dadjax.parallel._step import DEFAULT_MUTABLE, TrainStep
@@ -95,6 +97,7 @@ def make_train_step(
     rules: Any = None,
     batch_axes: Sequence[str] | None = None,
     layer_axes: Mapping[str, int] | None = None,
+    compute_dtype: Any = None,
     donate: bool = False,
     collections: Mapping[str, CollectionRule] | None = None,
     allow_local: bool = False,
@@ -150,6 +153,10 @@ def make_train_step(
       metadata_params={nn.PARTITION_NAME: "layers"})`` records it); ``{}``:
       none. Communicating transformations treat each layer as a tensor
       (:func:`dadjax.stacked_layers`).
+    compute_dtype: e.g. ``jnp.bfloat16``: the model computes in it from fp32
+      master weights, gradients arrive in fp32 and every method averages
+      them in fp32 (:func:`~dadjax.parallel._losses.compute_in`); ``None``:
+      the parameters' dtype.
     donate: donate the input state's buffers to the output.
     collections: ``{name: CollectionRule}`` adding to or overriding the
       registered rules (:mod:`dadjax._core.collections`) for this step.
@@ -195,6 +202,11 @@ def make_train_step(
       raise ValueError(f"{name} must be a bool, got {flag!r}")
   rules = resolve_rules(mutable, average, collections)
   loss_fn = classification_loss(model) if loss_fn is None else loss_fn
+  if compute_dtype is not None:
+    if not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+      raise ValueError(f"compute_dtype must be a floating dtype (e.g. jnp.bfloat16), got "
+                       f"{compute_dtype!r}")
+    loss_fn = compute_in(loss_fn, compute_dtype)
   metrics_fn = default_metrics if metrics_fn is None else metrics_fn
   layers = {} if layer_axes is None else dict(layer_axes)
   with stacked_layers(layers):  # checks the map
