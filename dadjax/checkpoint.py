@@ -75,7 +75,7 @@ FORMAT = 1
 FINGERPRINT_EXCLUDED = frozenset({
     "steps", "eval_every", "checkpoint_dir", "checkpoint_every", "out_dir", "data_dir",
     "backend", "bandwidth", "latency", "topology", "intra_bandwidth", "intra_latency",
-    "checkpoint_on_signal", "signal_grace_s", "peer_timeout_s"})
+    "checkpoint_on_signal", "signal_grace_s", "peer_timeout_s", "pipeline_prefetch"})
 
 LOCK_FILE = "dadjax.lock"
 

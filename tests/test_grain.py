@@ -223,7 +223,8 @@ def test_sigterm_mid_epoch_saves_the_read_ahead_pipeline_and_resumes_bit_identic
   assert saved == ["process_0-of-1.json"]  # Grain's handler: one file per process
   assert '"next_index": 4' in (ckpt / "4" / "data" / saved[0]).read_text()
   shutil.copytree(ckpt, tmp_path / "lost")
-  resumed = train(stopping, progress=False)
+  shutil.copytree(ckpt, tmp_path / "other")
+  resumed = train(stopping.replace(pipeline_prefetch=0), progress=False)  # not in the fingerprint
   assert [row["step"] for row in resumed.history] == [5, 6]
   chex.assert_trees_all_close(resumed.params, ref.params, atol=0, rtol=0)
   # A step that lost its pipeline state is damaged: the run resumes from the one before.
@@ -234,6 +235,12 @@ def test_sigterm_mid_epoch_saves_the_read_ahead_pipeline_and_resumes_bit_identic
   assert "checkpoint step 4" in err and "no input pipeline state" in err
   assert "resuming from checkpoint step 3" in err
   chex.assert_trees_all_close(again.params, ref.params, atol=0, rtol=0)
+  # Pipeline state written by another number of processes: refused, nothing deleted.
+  data_dir = tmp_path / "other" / "4" / "data"
+  (data_dir / "process_0-of-1.json").rename(data_dir / "process_0-of-2.json")
+  with pytest.raises(ValueError, match="another number of processes"):
+    train(stopping.replace(checkpoint_dir=str(tmp_path / "other")), progress=False)
+  assert (data_dir / "process_0-of-2.json").is_file()
 
 
 def test_pipeline_config_keys_are_checked():
