@@ -1,23 +1,23 @@
-"""Sharded against replicated parameters within a site, measured side by side.
+"""Sites of several devices: in-site layouts of one model, measured side by side.
 
-For each method and 2-D mesh, the same training run twice on 8 simulated
-CPU devices: ``shard_params=False`` (every device of a site holds the
-site's whole parameters and optimizer state) and ``shard_params=True``
-(FSDP-style slices). Printed per layout, all measured from the run:
+The GPT decoder ``gpt_tiny`` (scanned blocks, logical axis names) trained on
+2 sites of 4 simulated CPU devices, each in-site layout against the same
+sites with one device each (replicated parameters). Printed per method and
+layout, all measured from the run:
 
-* ``state_bytes/device``: bytes of parameters + optimizer state held by
-  one device (its addressable shard of every leaf);
-* ``inter bits/device``: the ledger's bits per step a device sends over the
-  site axis (the site sends ``per_site`` times this, one per device link);
-* ``intra bits/device``: the ledger's in-site payload per step;
-* ``intra ring wire``: what a device sends inside the site on a ring
-  (all-reduce 2(n-1)/n B, all-gather (n-1) B, n = per_site);
-* ``max |param diff|``: largest difference between the layouts' parameters
-  after the run (the layouts compute the same update).
+* ``params+opt bytes/device``: bytes of parameters and Adam's state one
+  device holds (its addressable shards);
+* ``vs replicated``: that against the 1-device-per-site run;
+* ``site-axis bits/step``: what the ledger booked for a site over the site
+  axis (the same for every layout: the methods see the site's whole tensors);
+* ``in-site bits/device/step``: operand bits of the collectives GSPMD put
+  inside the site, read from the compiled program, by the axes they span;
+* ``max |param diff|``: largest difference from the replicated run's
+  parameters after the run (float order only).
 
 Run:
 
-    python experiments/fsdp.py --steps 5 --out experiments/results
+    python experiments/fsdp.py --steps 3 --out experiments/results
 """
 
 from __future__ import annotations
@@ -34,11 +34,18 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import dadjax  # noqa: E402
-from dadjax.comm import comm_stats, wire_bits  # noqa: E402
+from dadjax import models  # noqa: E402
+from dadjax.comm import comm_stats  # noqa: E402
 from dadjax.methods import build_method  # noqa: E402
-from dadjax.models import MLP  # noqa: E402
 
-METHODS = ("allreduce", "bf16", "ef(sign)", "ef_scaled_sign", "terngrad", "dad")
+METHODS = ("allreduce", "ef(topk:0.01)", "powersgd:2", "dad")
+LAYOUTS = {  # name -> (in-site axes, rules, FSDP of what the rules leave whole)
+    "replicated (1 device/site)": (None, None, False),
+    "FSDP 4": ({"fsdp": 4}, "fsdp", False),
+    "TP 4": ({"model": 4}, "tp", False),
+    "FSDP 2 x TP 2": ({"fsdp": 2, "model": 2}, "fsdp_tp", False),
+    "ZeRO-3 4 (shard_params)": ({"fsdp": 4}, "replicated", True),
+}
 
 
 def _device_bytes(tree) -> int:
@@ -47,55 +54,55 @@ def _device_bytes(tree) -> int:
              if s.device == device)
 
 
-def _run(spec, sites, per_site, shard, hidden, steps, rows):
+def _run(spec, inner, rules, shard, steps, rows):
   method = build_method(spec)
-  model = MLP(hidden=hidden, num_classes=10, **({"dense": method.dense} if method.dense else {}))
-  step = dadjax.make_train_step(model, optax.chain(method.tx, optax.adam(1e-3)),
-                                mesh=dadjax.make_mesh(sites=sites, per_site=per_site),
-                                shard_params=shard)
+  dense = {"dense": method.dense} if method.dense else {}
+  model = models.get_model("gpt_tiny", 256, **dense)
+  placement = (dict(mesh=dadjax.make_mesh(2)) if inner is None else
+               dict(mesh=dadjax.make_mesh(sites=2, inner=inner), shard_params=shard,
+                    rules=models.gpt_rules(rules)))
+  step = dadjax.make_train_step(model, method.optimizer(optax.adam(1e-3)),
+                                collections=dict(method.collections), **placement)
   rng = np.random.default_rng(0)
-  batches = [{"x": rng.normal(size=(rows, 64)).astype(np.float32),
-              "y": rng.integers(0, 10, rows).astype(np.int32)} for _ in range(steps)]
+  batches = [{"x": (x := rng.integers(0, 256, (rows, 32)).astype(np.int32)), "y": x}
+             for _ in range(steps)]
   state = step.init(jax.random.key(0), batches[0]["x"][:2])
   for batch in batches:
     state, _ = step(state, batch)
-  return step, state
+  by_axis = {} if inner is None else step.traffic_by_axis(state, batches[0])
+  return step, state, by_axis
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--hidden", default="256,256", help="hidden widths")
-  parser.add_argument("--rows", type=int, default=64, help="global batch rows")
-  parser.add_argument("--out", default=None, help="directory for fsdp.md")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--rows", type=int, default=16, help="global batch rows (8 per site)")
+  parser.add_argument("--methods", default=",".join(METHODS))
+  parser.add_argument("--out", default=None, help="write fsdp.md into this directory")
   args = parser.parse_args()
-  hidden = tuple(int(w) for w in args.hidden.split(","))
-  header = ("| method | mesh | layout | state bytes/device | inter bits/device | "
-            "intra bits/device | intra ring wire/device | max abs param diff |")
-  lines = [f"MLP 64-{'-'.join(map(str, hidden))}-10, Adam, {args.steps} steps, "
-           f"{args.rows} rows per step; `python experiments/fsdp.py --steps {args.steps} "
-           f"--hidden {args.hidden}`", "", header, "|" + "---|" * 8]
-  for spec in METHODS:
-    for sites, per_site in ((2, 4), (4, 2)):
-      runs = {shard: _run(spec, sites, per_site, shard, hidden, args.steps, args.rows)
-              for shard in (False, True)}
-      ref_step, ref_state = runs[False]
-      for shard, (step, state) in runs.items():
-        summary = comm_stats(state)
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
-            jax.tree.leaves(step.params(state)), jax.tree.leaves(ref_step.params(ref_state))))
-        intra_wire = (wire_bits("reduce", max(summary.intra_reduce_bits), per_site)
-                      + wire_bits("gather", max(summary.intra_gather_bits), per_site))
-        lines.append(
-            f"| {spec} | {sites}x{per_site} | {'sharded' if shard else 'replicated'} | "
-            f"{_device_bytes((state.params, state.opt_state)):,} | {summary.bits_per_step:,} | "
-            f"{summary.intra_bits_per_step:,} | {int(intra_wire):,} | {diff:.1e} |")
-        print(lines[-1], flush=True)
+  lines = ["| method | layout | params+opt bytes/device | vs replicated | site-axis bits/step | "
+           "in-site bits/device/step | max abs param diff |", "|---" * 7 + "|"]
+  for spec in args.methods.split(","):
+    ref = None
+    for name, (inner, rules, shard) in LAYOUTS.items():
+      step, state, by_axis = _run(spec, inner, rules, shard, args.steps, args.rows)
+      held = _device_bytes((state.params, state.opt_state))
+      params = step.params(state)
+      if ref is None:
+        ref = (held, params)
+      diff = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(jax.tree.leaves(params), jax.tree.leaves(ref[1])))
+      intra = ", ".join(f"{k}: {v:,}" for k, v in sorted(by_axis.items()) if k != "data") or "-"
+      lines.append(f"| {spec} | {name} | {held:,} | {ref[0] / held:.2f}x less | "
+                   f"{comm_stats(state).bits_per_step:,} | {intra} | {diff:.1e} |")
+      print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
-    path = pathlib.Path(args.out) / "fsdp.md"
-    path.write_text(text)
-    print("wrote", path)
+    out = pathlib.Path(args.out) / "fsdp.md"
+    out.write_text(f"# In-site layouts (`python experiments/fsdp.py --steps {args.steps}`)\n\n"
+                   f"gpt_tiny, Adam, 2 sites x 4 CPU devices, {args.rows} rows per step.\n\n"
+                   + text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

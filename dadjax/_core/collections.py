@@ -36,11 +36,6 @@ class CollectionRule(NamedTuple):
       otherwise ``new`` is what the loss function returned for it.
     update: ``(old, new) -> value``, the collection after the step; ``None``
       stores ``new`` (a collection the loss did not return keeps ``old``).
-    in_site: on a 2-D mesh, ``(value, axes) -> (value, Traffic)`` making a
-      value that differs between the devices of a site equal on all of
-      them, with its metered traffic; ``None``: the exact mean of the float
-      leaves and the first device's integer leaves (one metered ``pmean``
-      and, with integer leaves, one ``psum``).
     average: after the step, average the collection over the sites with one
       metered ``pmean`` (booked in ``TrainState.comm``), so every site holds
       the same value; ``False`` keeps it per site.
@@ -58,7 +53,6 @@ class CollectionRule(NamedTuple):
 
   differentiate: bool = False
   update: Callable[[Any, Any], Any] | None = None
-  in_site: Callable[[Any, Any], tuple[Any, Any]] | None = None
   average: bool = False
   metrics_row: Callable[[Any], dict] | None = None
   gradient: Callable[..., tuple] | None = None
