@@ -10,7 +10,11 @@ every method sees the same samples. Methods:
   0.9) at ``H`` in ``--every`` with fp32, bf16, 4-bit QSGD (``qsgd(7)``: 1
   sign + 3 level bits per entry) and PowerSGD (rank 2) outer gradients;
 * Streaming DiLoCo (3 fragments, ``tau = 5``, ``alpha = 0.5``) with fp32 and
-  4-bit outer gradients at the middle ``H``.
+  4-bit outer gradients at the middle ``H``;
+* with ``--methods``: any spec, e.g. SparseLoCo (``sparseloco:10``), DeMo
+  (``demo:lr=0.001|momentum=0``: a method may carry Config overrides after
+  ``|``) or DiLoCo with an error-fed 4-bit outer gradient
+  (``diloco:10:compress=ef(qsgd(7))``).
 
 Every ``--eval-every`` steps the *synchronized* parameters (the anchor,
 ``LocalState.evaluation_params``) are evaluated on the test set. The
@@ -35,6 +39,7 @@ Writes ``<out>/local.md`` (tables + the exact command) and ``<out>/local.png``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -86,15 +91,32 @@ def _eval_state(state):
   return state
 
 
+def split_entry(entry: str) -> tuple[str, dict]:
+  """``SPEC[|FIELD=VALUE...]`` of ``--methods``: the method spec and its Config overrides.
+
+  DeMo's paper feeds its momentum with plain SGD steps: ``demo:lr=0.001|momentum=0``.
+  """
+  spec, *fields = entry.split("|")
+  overrides = {}
+  for field in fields:
+    key, _, value = field.partition("=")
+    try:
+      overrides[key] = json.loads(value)
+    except json.JSONDecodeError:
+      overrides[key] = value
+  return spec, overrides
+
+
 def config_for(args, spec: str, seed: int) -> Config:
   """The run's Config: the MLP (64, 64) on ``--dataset``, or a ``--workload``'s."""
+  spec, overrides = split_entry(spec)
   if args.workload:
     wl = workloads.get(args.workload)
     return wl.config(args.quick, method=spec, seed=seed, steps=args.steps,
-                     **workloads.partition_fields(wl, args.partition))
-  return Config(dataset=args.dataset, model="mlp", model_kwargs={"hidden": [64, 64]},
-                method=spec, num_sites=SITES, backend="vmap", batch_per_site=ROWS,
-                steps=args.steps, seed=seed, lr=0.1, momentum=0.9)
+                     **{**workloads.partition_fields(wl, args.partition), **overrides})
+  return Config(**{**dict(dataset=args.dataset, model="mlp", model_kwargs={"hidden": [64, 64]},
+                          method=spec, num_sites=SITES, backend="vmap", batch_per_site=ROWS,
+                          steps=args.steps, seed=seed, lr=0.1, momentum=0.9), **overrides})
 
 
 def run_one(args, spec: str, seed: int, network: NetworkModel, steps_cache: dict) -> dict:
@@ -137,6 +159,11 @@ def _mean(values, fmt="{:.3g}") -> str:
   return text if len(ok) == len(v) else f"{text} ({len(ok)}/{len(v)} seeds)"
 
 
+def cell(text: str) -> str:
+  """``text`` for a markdown table cell (a ``|`` of a method's Config overrides escaped)."""
+  return text.replace("|", "\\|")
+
+
 def table(results, args) -> str:
   name = "test acc" if args.metric == "accuracy" else "test bits/byte"
   lines = [f"| method | spec | {name} | wire bits/step/site | peak comm s/step | "
@@ -148,7 +175,7 @@ def table(results, args) -> str:
     reps = [r["report"] for r in runs]
     reach = [to_target(r["curve"], args.target, args.metric) for r in runs]
     lines.append(
-        f"| {label} | `{spec}` | {np.mean(acc):.3f} ± {np.std(acc):.3f} | "
+        f"| {cell(label)} | `{cell(spec)}` | {np.mean(acc):.3f} ± {np.std(acc):.3f} | "
         f"{np.mean([p.wire_bits_per_step for p in reps]):,.0f} | "
         f"{np.mean([p.peak_comm_s_per_step for p in reps]):.3g} | "
         f"{np.mean([p.total_wire_bits for p in reps]):.3g} | "
@@ -230,7 +257,8 @@ def main(argv=None) -> int:
   parser.add_argument("--bandwidth", type=float, default=1e9, help="bits/s between sites")
   parser.add_argument("--latency", type=float, default=1e-3, help="seconds per message")
   parser.add_argument("--methods", default=None,
-                      help="';'-separated method specs to run instead of the default list")
+                      help="';'-separated method specs to run instead of the default list, "
+                      "each SPEC[|FIELD=VALUE...] with Config overrides (demo:lr=0.001|momentum=0)")
   parser.add_argument("--quick", action="store_true", help="a smoke run (seconds per method)")
   parser.add_argument("--out", default=str(ROOT / "results"))
   parser.add_argument("--name", default="local", help="stem of the written .md and .png")
