@@ -54,6 +54,7 @@ from dadjax.comm._metered import (
     NO_TRAFFIC,
     Traffic,
     metered_all_gather,
+    metered_all_to_all,
     metered_pmean,
     metered_psum,
     traffic_add,

@@ -237,6 +237,9 @@ class NetworkModel:
     if per_operand and getattr(ops, "operands", None):
       # A calibrated (gloo) model: every operand of a combined op is its own call.
       count, cond = ops.operands, ops.conditional_operands
+    # An all-to-all op is booked and charged as an all-gather (N - 1 messages;
+    # dadjax.comm._metered.metered_all_to_all).
+    count, cond = _all_to_all_as_gather(count), _all_to_all_as_gather(cond)
     if summary.exchange_rate is None or cond is None:
       return int(count.get("reduce", 0)), int(count.get("gather", 0))
     # A method that communicates on some steps only (local updates): its
@@ -245,6 +248,13 @@ class NetworkModel:
     share = summary.peak_share if peak else summary.exchange_rate
     return tuple(int(count.get(k, 0)) - int(cond.get(k, 0)) + share * int(cond.get(k, 0))
                  for k in ("reduce", "gather"))
+
+
+def _all_to_all_as_gather(count):
+  """``count`` (ops per kind) with its all-to-all ops added to the all-gather ones."""
+  if not count or not count.get("all_to_all"):
+    return count
+  return {**count, "gather": count.get("gather", 0) + count["all_to_all"]}
 
 
 @dataclasses.dataclass(frozen=True)

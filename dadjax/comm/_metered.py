@@ -163,3 +163,39 @@ def metered_all_gather(tree: Any, axis_name: str | None, *, invariant: bool = Fa
     out = gather_sites(tree, axis_name, invariant=invariant)
   return out, Traffic(gather=tree_nbits(tree), gather_calls=_calls(tree))
 
+
+
+def metered_all_to_all(x: jax.Array, axis_name: str | None) -> tuple[jax.Array, Traffic]:
+  """All-to-all of ``x``'s leading axis (one row per site), and this site's traffic.
+
+  Site ``i`` sends row ``j`` of its ``x`` to site ``j`` and receives, as row
+  ``j`` of the result, row ``i`` of site ``j``'s ``x`` (the first phase of a
+  reduce-scatter: :mod:`dadjax.compress._two_phase`).
+
+  The ledger has two kinds, all-reduce and all-gather traffic. An all-to-all
+  of a buffer of ``B`` bits is booked as all-gather traffic of one row,
+  ``B / N`` bits: a site sends ``N - 1`` rows of ``B / N`` bits, which is
+  exactly what an all-gather of ``B / N`` bits sends (ring: ``(N-1)/N * B``
+  wire bits, :func:`dadjax.comm._wire.all_to_all_factor`, in ``N - 1``
+  messages). The compiled program's ``all-to-all`` ops are charged the
+  all-gather's latency (:meth:`dadjax.comm.NetworkModel.step_time`). Under
+  the parameter-server topology the model charges ``B`` where a
+  server-routed all-to-all carries ``2 (N-1)/N * B`` through a worker's
+  link (less than twice that).
+
+  Args:
+    x: an array whose leading axis has one row per site (``N`` rows).
+    axis_name: the sites' axis; ``None`` is one site (``x`` is returned).
+
+  Returns:
+    ``(received, traffic)``; ``received`` has ``x``'s shape.
+
+  Raises:
+    ValueError: if ``x``'s leading axis is not the number of sites.
+  """
+  n = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+  if jnp.ndim(x) < 1 or jnp.shape(x)[0] != n:
+    raise ValueError(f"metered_all_to_all: x needs a leading axis of {n} rows (one per site), "
+                     f"got shape {jnp.shape(x)}")
+  out = x if axis_name is None else jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+  return out, Traffic(gather=tree_nbits(x) // n, gather_calls=1)

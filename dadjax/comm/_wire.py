@@ -87,3 +87,18 @@ def latency_messages(kind: str, num_sites: int, topology: str = "ring") -> int:
   if check_topology(topology) == "ps":
     return 2
   return 2 * (n - 1) if kind == "reduce" else n - 1
+
+
+def all_to_all_factor(num_sites: int, topology: str = "ring") -> Fraction:
+  """Wire bits per payload bit of an all-to-all of a whole buffer, per site.
+
+  A site keeps one of its ``N`` rows and sends the others: ``(N-1)/N`` under
+  ``"ring"`` (direct exchange, every link used once per message); under
+  ``"ps"`` a worker's link carries them up and the ``N-1`` rows it receives
+  down: ``2 (N-1)/N``. The ledger books an all-to-all as an all-gather of
+  one row (:func:`dadjax.comm._metered.metered_all_to_all`), which equals
+  this factor under ``"ring"``.
+  """
+  n = check_sites(num_sites)
+  check_topology(topology)
+  return Fraction(n - 1, n) * (2 if topology == "ps" else 1)

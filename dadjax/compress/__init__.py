@@ -10,8 +10,10 @@ from dadjax.compress._base import Compressor, EmptyState, Keys, exchange, leaf_k
 from dadjax.compress._cast import cast, identity
 from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
 from dadjax.compress._powersgd import PowerSGDState, powersgd
-from dadjax.compress._quantize import qsgd, scaled_sign, sign, terngrad
+from dadjax.compress._quantize import qsgd, quantize, scaled_sign, sign, terngrad
 from dadjax.compress._sparse import randomk, topk
+from dadjax.compress._two_phase import (ROUTES, Codec, chosen_route, route_wire_bits,
+                                        two_phase)
 from dadjax.compress._transform import CompressedState, compressed, shardable_compressors
 from dadjax.registry import get_compressor
 
@@ -32,6 +34,12 @@ __all__ = [
     "terngrad",
     "sign",
     "scaled_sign",
+    "quantize",
+    "two_phase",
+    "Codec",
+    "ROUTES",
+    "route_wire_bits",
+    "chosen_route",
     "powersgd",
     "PowerSGDState",
     "error_feedback",

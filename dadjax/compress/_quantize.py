@@ -1,8 +1,10 @@
-"""Quantizers: QSGD, TernGrad, signSGD (majority vote) and scaled sign (EF-signSGD).
+"""Quantizers: QSGD, TernGrad, signSGD (majority vote), scaled sign (EF-signSGD) and b-bit.
 
 Every quantizer sends a few fp32 scales plus bit-packed integer codes
 (:mod:`dadjax._core.packing`), so the bytes handed to the all-gather
-are exactly the bits the ledger records.
+are exactly the bits the ledger records. Each also has a two-phase route
+(``route="two_phase"`` / ``"auto"``, :mod:`dadjax.compress._two_phase`): a
+quantized all-reduce whose cost does not grow with the number of sites.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dadjax._core.linalg import safe_norm
 from dadjax._core.shards import leaf_shard, slice_uniform, threefry_unit, whole_max, whole_size, whole_sum
 import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, leafwise
+import dadjax.compress._two_phase as tp
+from dadjax.compress._two_phase import Codec, route_arg, two_phase
 from dadjax._core.packing import code_bits, pack_bits, unpack_bits
 from dadjax.registry import Arg, register_compressor
 
@@ -76,8 +80,9 @@ _NOISE_ARG = Arg("noise", str, choices=NOISES, positional=False,
 
 @register_compressor("qsgd", Arg("levels", int, within="[1, inf)", doc="non-zero levels s"),
                      Arg("bucket_size", int, within="[1, inf)", doc="entries per norm"),
-                     _NOISE_ARG)
-def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefry") -> Compressor:
+                     _NOISE_ARG, route_arg("two_phase from N = 3 sites"))
+def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefry",
+         route: str = "one_round") -> Compressor:
   """QSGD: stochastic rounding of ``|g_i| / ||g||_2`` onto ``levels`` levels.
 
   Long because it is one compressor factory: its per-leaf and one-buffer forms share the
@@ -99,12 +104,17 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
       default) or ``"hash"`` (:func:`dadjax._core.keys.hash_unit`: a counter
       hash on the same float grid, several times cheaper to draw; spec
       ``qsgd:16:noise=hash``).
+    route: ``"one_round"`` (all-gather of the payloads), ``"two_phase"``
+      (:func:`~dadjax.compress.two_phase`: one norm per chunk, or per
+      ``bucket_size`` entries of a chunk) or ``"auto"``; spec
+      ``qsgd:16:route=two_phase``.
 
   Returns:
     A ``"gather"`` :class:`Compressor`.
 
   Raises:
-    ValueError: if ``levels < 1``, ``bucket_size < 1`` or ``noise`` is unknown.
+    ValueError: if ``levels < 1``, ``bucket_size < 1``, ``noise`` or
+      ``route`` is unknown.
 
   References:
     Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
@@ -170,7 +180,26 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd",
                   shardable=bucket_size is None)
-  return seg.segmented(base, compress_all, decode_all)
+  return two_phase(seg.segmented(base, compress_all, decode_all),
+                    _qsgd_codec(s, bits, bucket_size, draw), route)
+
+
+def _qsgd_codec(s: int, bits: int, block: int | None, draw) -> Codec:
+  """QSGD's chunks: one norm per ``block`` entries of a chunk (the whole chunk by default)."""
+
+  def encode(v, key, rows, lay):
+    del rows, lay
+    norm = tp.per_block(v, block, lambda x, axis: safe_norm(x, axis=axis))
+    codes = _qsgd_codes(v, tp.to_entries(norm, v.shape[1], block), tp.noise(draw, key, v.shape), s)
+    return tp.with_scales(norm, tp.pack_rows(codes, bits))
+
+  def decode(buf, rows, lay):
+    del rows
+    m = lay.chunk
+    norm, words = tp.split_scales(buf, tp.blocks(m, block)[1])
+    return _qsgd_values(tp.unpack_rows(words, bits, m), tp.to_entries(norm, m, block), s)
+
+  return Codec(encode, decode)
 
 
 def _qsgd_codes(v, norm, noise, s):
@@ -189,8 +218,9 @@ def _qsgd_values(codes, norm, s):
 
 
 @register_compressor("terngrad", Arg("clip", float, within="(0, inf)", doc="clip at clip * std"),
-                     _NOISE_ARG)
-def terngrad(clip: float | None = 2.5, noise: str = "threefry") -> Compressor:
+                     _NOISE_ARG, route_arg("two_phase from N = 3 sites"))
+def terngrad(clip: float | None = 2.5, noise: str = "threefry",
+             route: str = "one_round") -> Compressor:
   """TernGrad: ``max|g| * sign(g_i) * Bernoulli(|g_i| / max|g|)`` per tensor.
 
   Unbiased for the (clipped) gradient; the Bernoulli draws come from the
@@ -207,13 +237,18 @@ def terngrad(clip: float | None = 2.5, noise: str = "threefry") -> Compressor:
       constant tensors are not clipped to 0 (they are sent exactly).
     noise: the Bernoulli draws' noise, ``"threefry"`` (default) or
       ``"hash"`` (as :func:`qsgd`'s).
+    route: ``"one_round"``, ``"two_phase"`` or ``"auto"`` (as :func:`qsgd`'s).
+      On the two-phase route each chunk has its own scale (and its own
+      clipping bound); the chunk owner ternarizes the fp32 mean again
+      without clipping, so the estimate stays unbiased for the clipped
+      gradients.
 
   Returns:
     A ``"gather"`` :class:`Compressor`.
 
   Raises:
     ValueError: if ``clip`` is not ``None`` or a number ``> 0``, or ``noise``
-      is unknown.
+      or ``route`` is unknown.
 
   References:
     Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
@@ -259,7 +294,37 @@ def terngrad(clip: float | None = 2.5, noise: str = "threefry") -> Compressor:
     return seg.split(_terngrad_values(codes, seg.per_entry([p.scale for p in payloads], lay)), lay)
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", name="terngrad", shardable=True)
-  return seg.segmented(base, compress_all, decode_all)
+  return two_phase(seg.segmented(base, compress_all, decode_all), _terngrad_codec(clip, draw),
+                    route)
+
+
+def _valid_counts(rows, lay, block):
+  """Real (not padding) entries of each block of the chunks ``rows``: ``[R, nb]``, at least 1."""
+  valid = jnp.asarray(lay.valid, jnp.float32)[rows]
+  return jnp.maximum(tp.per_block(valid, block, jnp.sum), 1.0)
+
+
+def _terngrad_codec(clip: float | None, draw) -> Codec:
+  """TernGrad's chunks: one scale per chunk; phase two does not clip (the mean stays unbiased)."""
+
+  def encoder(clipping):
+    def encode(v, key, rows, lay):
+      m = v.shape[1]
+      if clipping is not None:
+        norm = tp.per_block(v, None, lambda x, axis: safe_norm(x, axis=axis))
+        bound = tp.to_entries(clipping * norm / jnp.sqrt(_valid_counts(rows, lay, None)), m, None)
+        v = jnp.clip(v, -bound, bound)
+      scale = tp.per_block(jnp.abs(v), None, jnp.max)
+      codes = _terngrad_codes(v, tp.to_entries(scale, m, None), tp.noise(draw, key, v.shape))
+      return tp.with_scales(scale, tp.pack_rows(codes, 2))
+    return encode
+
+  def decode(buf, rows, lay):
+    del rows
+    scale, words = tp.split_scales(buf, 1)
+    return _terngrad_values(tp.unpack_rows(words, 2, lay.chunk), scale)
+
+  return Codec(encoder(clip), decode, encode2=encoder(None))
 
 
 def _terngrad_codes(flat, scale, noise):
@@ -279,8 +344,8 @@ def _sign_codes(x):
   return (x.reshape(-1) < 0).astype(jnp.uint32)
 
 
-@register_compressor("sign")
-def sign() -> Compressor:
+@register_compressor("sign", route_arg("two_phase from N = 4 sites"))
+def sign(route: str = "one_round") -> Compressor:
   """signSGD with majority vote: send 1-bit signs, apply the sign of their sum.
 
   Each site sends ``sign(g_i)`` (``sign(0) = +1``, the paper's convention)
@@ -291,6 +356,15 @@ def sign() -> Compressor:
   and 0 when every site abstains, so a parameter without gradient stays
   where it is). On one site the result is ``sign(g)`` (0 for a zero
   tensor). Use a small learning rate, as the paper does.
+
+  Args:
+    route: ``"one_round"`` (all-gather of the signs), ``"two_phase"`` or
+      ``"auto"`` (spec ``sign:route=two_phase``). On the two-phase route each
+      site sends each chunk's 1-bit signs and its per-tensor abstain bits to
+      the chunk's owner, who counts the votes as integers and all-gathers
+      their 2-bit sign (``+1``, ``-1`` or ``0`` on a tie): the result equals
+      the all-gather's majority vote exactly, for ``(N-1)/N * (1 + 2)`` wire
+      bits per entry instead of ``N - 1``.
 
   Returns:
     A ``"gather"`` :class:`Compressor` of ``32 * ceil((d + 1) / 32)`` bits
@@ -351,16 +425,65 @@ def sign() -> Compressor:
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
                   shardable=True)
-  return seg.segmented(base, compress_all, decode_all, aggregate_all)
+  return two_phase(seg.segmented(base, compress_all, decode_all, aggregate_all), _sign_codec(),
+                    route)
 
 
-@register_compressor("scaled_sign")
-def scaled_sign() -> Compressor:
+def _sign_codec() -> Codec:
+  """Majority vote in two phases: 1-bit signs and abstain bits in, 2-bit votes out."""
+
+  def mask_words(lay):
+    return -(-lay.leaves // 32)
+
+  def encode(v, key, rows, lay):
+    del key
+    # A site abstains on a tensor that is zero here (as on the one-round route); every chunk
+    # carries the site's abstain bit of every tensor, so its owner can count the voters.
+    leaf_of = jnp.asarray(lay.leaf_of)[rows].reshape(-1)
+    top = jax.ops.segment_max(jnp.abs(v).reshape(-1), leaf_of, lay.leaves)
+    mask = pack_bits((top <= 0).astype(jnp.uint32), 1)
+    signs = tp.pack_rows((v < 0).astype(jnp.uint32), 1)
+    return jnp.concatenate([jnp.broadcast_to(mask, (v.shape[0], mask.shape[0])), signs], axis=1)
+
+  def unpack(buf, lay):
+    w = mask_words(lay)
+    abstain = jax.vmap(lambda x: unpack_bits(x, 1, lay.leaves))(buf[:, :w]).astype(jnp.int32)
+    return abstain, tp.unpack_rows(buf[:, w:], 1, lay.chunk).astype(jnp.int32)
+
+  def decode(buf, rows, lay):
+    abstain, negative = unpack(buf, lay)
+    leaf_of = jnp.asarray(lay.leaf_of)[rows]
+    silent = jnp.take_along_axis(abstain, leaf_of, axis=1)
+    return jnp.where(negative == 1, -1.0, 1.0) * (1 - silent)
+
+  def combine(received, mine, lay):
+    abstain, negative = unpack(received, lay)  # (sites, L), (sites, m)
+    leaf_of = jnp.asarray(lay.leaf_of)[mine]
+    voters = received.shape[0] - jnp.sum(abstain, axis=0)[leaf_of]
+    return jnp.sign(voters - 2 * jnp.sum(negative, axis=0)).astype(jnp.float32)
+
+  def encode2(vote, key, rows, lay):
+    del key, rows, lay
+    return tp.pack_rows((vote != 0).astype(jnp.uint32) | ((vote < 0).astype(jnp.uint32) << 1), 2)
+
+  def decode2(buf, rows, lay):
+    del rows
+    return _terngrad_values(tp.unpack_rows(buf, 2, lay.chunk), 1.0)
+
+  return Codec(encode, decode, combine, encode2, decode2)
+
+
+@register_compressor("scaled_sign", route_arg("two_phase from N = 3 sites"))
+def scaled_sign(route: str = "one_round") -> Compressor:
   """Scaled sign: ``(||g||_1 / d) * sign(g)`` per tensor (EF-signSGD's compressor).
 
   Each tensor travels as one fp32 scale plus 1-bit signs; sites all-gather
   and average. Biased: use it with :func:`error_feedback`
   (``"ef_scaled_sign"``), which is EF-signSGD. A zero tensor sends scale 0.
+
+  Args:
+    route: ``"one_round"``, ``"two_phase"`` (one scale per chunk; the owner
+      sends the scaled sign of the chunk's mean) or ``"auto"``.
 
   Returns:
     A ``"gather"`` :class:`Compressor` of ``32 + 32 * ceil(d / 32)`` bits
@@ -394,4 +517,95 @@ def scaled_sign() -> Compressor:
     return seg.split(_signed(seg.per_entry([p.scale for p in payloads], lay), negative), lay)
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", name="scaled_sign", shardable=True)
-  return seg.segmented(base, compress_all, decode_all)
+  return two_phase(seg.segmented(base, compress_all, decode_all), _scaled_sign_codec(), route)
+
+
+def _scaled_sign_codec() -> Codec:
+  """Scaled sign's chunks: the mean magnitude of the chunk's real entries, and 1-bit signs."""
+
+  def encode(v, key, rows, lay):
+    del key
+    scale = tp.per_block(jnp.abs(v), None, jnp.sum) / _valid_counts(rows, lay, None)
+    return tp.with_scales(scale, tp.pack_rows((v < 0).astype(jnp.uint32), 1))
+
+  def decode(buf, rows, lay):
+    del rows
+    scale, words = tp.split_scales(buf, 1)
+    return _signed(scale, tp.unpack_rows(words, 1, lay.chunk) == 1)
+
+  return Codec(encode, decode)
+
+
+def _int_codes(v, scale, noise, top):
+  """Unbiased stochastic rounding of ``v / scale * top`` to integers in ``[-top, top]``, offset by
+  ``top`` (codes in ``[0, 2 top]``)."""
+  scaled = v / jnp.where(scale > 0, scale, 1.0) * top
+  lower = jnp.floor(scaled)
+  level = jnp.clip(lower + (noise < scaled - lower), -top, top)
+  return (level + top).astype(jnp.uint32)
+
+
+def _int_values(codes, scale, top):
+  return (codes.astype(jnp.float32) - top) * (scale / top)
+
+
+@register_compressor("quantize", Arg("bits", int, within="[2, 16]", doc="bits per entry"),
+                     _NOISE_ARG, route_arg("two_phase from N = 3 sites"))
+def quantize(bits: int = 8, noise: str = "threefry", route: str = "one_round") -> Compressor:
+  """Quantize to ``bits`` bits with stochastic rounding: ``2^(b-1) - 1`` levels each side of 0.
+
+  Each tensor (each chunk on the two-phase route) sends its fp32 scale
+  ``max |g|`` and every entry as the integer ``l_i`` in ``[-L, L]``,
+  ``L = 2^(b-1) - 1``, rounded from ``L g_i / max|g|`` up with probability
+  equal to the fractional part: ``E[scale * l_i / L] = g_i`` (unbiased).
+
+  Args:
+    bits: bits per entry ``b``, in ``[2, 16]``.
+    noise: rounding noise, ``"threefry"`` or ``"hash"`` (as :func:`qsgd`'s).
+    route: ``"one_round"`` (all-gather), ``"two_phase"`` or ``"auto"`` (spec
+      ``quantize:4:route=two_phase``).
+
+  Returns:
+    A ``"gather"`` :class:`Compressor` of ``32 + b * 32 * ceil(d / 32)`` bits
+    per tensor of ``d`` entries.
+
+  Raises:
+    ValueError: if ``bits`` is outside ``[2, 16]``, ``noise`` or ``route`` is
+      unknown.
+
+  References:
+    Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015
+    (https://arxiv.org/abs/1502.02551) (stochastic rounding); Wang et al.,
+    "ZeRO++" (qgZ's block quantization), 2023 (https://arxiv.org/abs/2306.10209).
+  """
+  b = check_int("bits", bits, 2)
+  if b > 16:
+    raise ValueError(f"bits must be an int in [2, 16], got {bits!r}")
+  tp.check_route(route)
+  draw = _noise_draw(noise)
+  top = float(2 ** (b - 1) - 1)
+
+  def compress_leaf(x, key):
+    flat = x.reshape(-1).astype(jnp.float32)
+    scale = whole_max(jnp.max(jnp.abs(flat)))
+    u = slice_uniform(key.site, x.shape, draw).reshape(-1)
+    return QuantizedPayload(scale, pack_bits(_int_codes(flat, scale, u, top), b))
+
+  def decompress_leaf(p, like, key):
+    del key
+    codes = unpack_bits(p.words, b, _size(like))
+    return _int_values(codes, p.scale, top).reshape(like.shape).astype(like.dtype)
+
+  def encode(v, key, rows, lay):
+    del rows, lay
+    scale = tp.per_block(jnp.abs(v), None, jnp.max)
+    codes = _int_codes(v, scale, tp.noise(draw, key, v.shape), top)
+    return tp.with_scales(scale, tp.pack_rows(codes, b))
+
+  def decode(buf, rows, lay):
+    del rows
+    scale, words = tp.split_scales(buf, 1)
+    return _int_values(tp.unpack_rows(words, b, lay.chunk), scale, top)
+
+  base = leafwise(compress_leaf, decompress_leaf, "gather", name=f"quantize{b}", shardable=True)
+  return two_phase(base, Codec(encode, decode), route)
