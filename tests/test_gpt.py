@@ -302,17 +302,20 @@ def test_the_activation_estimate_is_near_xlas_compiled_temp_memory(fields, batch
   assert 0.5 * temp < est < 2 * temp
 
 
-@pytest.mark.parametrize("model, mesh", [("gpt_1b", None), ("gpt_1b", "data=2,fsdp=4,model=4"),
-                                         ("gpt_125m", None)])
-def test_the_dryrun_command_prints_memory_that_fits_v5e(capsys, model, mesh):
-  argv = ["dryrun", "experiments/configs/gpt_v5e.toml", f"model={model}", "--hbm-gib", "16"]
-  if model == "gpt_125m":
-    argv.append('dataset_kwargs={"seq_len": 1024}')
-  if mesh:
-    argv += ["--mesh", mesh]
+@pytest.mark.parametrize("model, extra, mesh, fits", [
+    ("gpt_1b", [], "data=2 x fsdp=16", True),
+    ("gpt_1b", ['mesh_inner={"fsdp": 4, "model": 4}', "rules=fsdp_tp"], "data=2 x fsdp=4 x model=4",
+     True),
+    # TP alone over 16 chips: 8 heads do not split 16 ways and the batch is not split at all.
+    ("gpt_1b", ["--mesh", "data=2,model=16", "--rules", "tp"], "data=2 x model=16", False),
+    ("gpt_125m", ['dataset_kwargs={"seq_len": 1024}'], "data=2 x fsdp=16", True)])
+def test_the_dryrun_command_prints_memory_that_fits_v5e(capsys, model, extra, mesh, fits):
+  argv = ["dryrun", "experiments/configs/gpt_v5e.toml", f"model={model}", "--hbm-gib", "16", *extra]
   assert cli.main(argv) == 0
   out = capsys.readouterr().out
-  assert f"model={model}" in out and "fits in 16 GiB HBM" in out and "NOT" not in out
+  assert f"model={model}" in out and f"mesh            {mesh} " in out
+  assert ("does NOT fit in 16 GiB HBM" in out) == (not fits)
+  assert ("  fits in 16 GiB HBM" in out) == fits
   count = models.gpt_param_count(make_gpt(model))
   assert f"{count:,}" in out
   assert cli.main(["dryrun", "experiments/configs/gpt_v5e.toml", "--mesh", "data=two"]) == 2

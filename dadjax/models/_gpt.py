@@ -621,10 +621,11 @@ def gpt_dry_run(config: Any, *, mesh: str | dict | None = None, rules: str | Non
             hbm_gib: float | None = None) -> str:
   """The ``dadjax dryrun`` report of a train config whose model is a GPT (no allocation).
 
-  The mesh defaults to the config's: ``data=num_sites`` and, with
-  ``per_site > 1``, ``fsdp=per_site``; ``backend="vmap"`` puts every site on
-  one device. The rules default to ``"fsdp"`` (``"fsdp_tp"`` when the mesh
-  has a ``"model"`` axis larger than 1). ``seq_len`` is the config's
+  The mesh defaults to the config's: ``data=num_sites`` and its
+  ``mesh_inner`` axes (else, with ``per_site > 1``, ``fsdp=per_site``);
+  ``backend="vmap"`` puts every site on one device. The rules default to
+  the config's ``rules``, else ``"fsdp"`` (``"fsdp_tp"`` when the mesh has
+  a ``"model"`` axis larger than 1). ``seq_len`` is the config's
   ``dataset_kwargs["seq_len"]`` (else the model's ``max_len``); a
   ``text:`` dataset sets ``vocab_size=256`` unless ``model_kwargs`` give
   it, as ``dadjax train`` does; the optimizer is the config's.
@@ -655,8 +656,13 @@ def gpt_dry_run(config: Any, *, mesh: str | dict | None = None, rules: str | Non
     mesh = _parse_mesh(mesh)
   if mesh is None:
     mesh = {SITE_AXIS: config.num_sites}
-    if config.per_site > 1:
+    inner = dict(getattr(config, "mesh_inner", None) or {})
+    if inner:
+      mesh.update(inner)
+    elif config.per_site > 1:
       mesh[FSDP_AXIS] = config.per_site
+  if rules is None:
+    rules = getattr(config, "rules", None)
   if rules is None:
     rules = "fsdp_tp" if mesh.get(MODEL_AXIS, 1) > 1 else "fsdp"
   seq_len = config.dataset_kwargs.get("seq_len", model.max_len)
