@@ -131,3 +131,34 @@ def test_a_batch_of_some_sites_rows_places_like_the_global_batch(backend, per_si
     step.place_batch({"x": lx[:8], "y": ly[:8]}, sites=[2, 0])
   with pytest.raises(ValueError, match=r"distinct site ids in \[0, 4\)"):
     step.place_batch({"x": lx, "y": ly}, sites=[2, 0, 3, 3])
+
+
+def _train_with(overrides, *flags, devices=None):
+  return subprocess.Popen([sys.executable, "-m", "dadjax.cli", "train", "--no-progress", *flags,
+                           *overrides], env=_env(devices), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+_FAMILIES = ["ef_topk:0.5", "dad", "powersgd:2", "dataquant:2:classes=10", "diloco:2",
+             "accordion(powersgd:2,powersgd:1,window=2,interval=1)"]
+
+
+@pytest.mark.multihost
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=() if i < 1 else pytest.mark.slow) for i, m in enumerate(_FAMILIES)])
+def test_sites_of_four_devices_two_processes_equal_one_process(method):
+  """Each process is one site of 4 devices (FSDP x TP axes, parameters sharded in the site)."""
+  overrides = ["num_sites=2", 'mesh_inner={"fsdp": 2, "model": 2}', "shard_params=true",
+               "batch_per_site=8", "steps=4", "eval_every=2", 'model_kwargs={"hidden": [16]}',
+               f"method={method}"]
+  port = _free_port()
+  procs = [_train_with(overrides, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                       "--process-id", str(i), devices=4) for i in range(2)]
+  single = _train_with(overrides, devices=8)
+  (first, _), (second, _) = _wait(procs)
+  ((whole, _),) = _wait([single])
+  assert first == second and [r["step"] for r in whole] == [2, 4]
+  for got, ref in zip(first, whole, strict=True):
+    assert got["total_payload_bits"] == ref["total_payload_bits"]
+    for k in ("loss", "test_loss", "test_accuracy"):
+      assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (k, got, ref)
