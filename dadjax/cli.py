@@ -324,6 +324,7 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
       why = re.search(r"absl::Status: ([^\n]*)", text) or re.search(
           r"coordination service[^\n]*?\] ([^\n]*)", text)
       why = (why.group(1) if why else "it aborted this process").strip()
+      why = why.split(". ")[0].rstrip(".")  # its first sentence: what failed
       why = why if len(why) <= 160 else why[:157] + "..."
       tasks = {int(t) for t in re.findall(r"/task:(\d+)", text)} - {process_id}
       lost = min(tasks) if tasks else 0

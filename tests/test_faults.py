@@ -693,6 +693,29 @@ def test_bad_data_is_a_data_error_before_any_step(monkeypatch, changes, message)
     assert "labels are outside [0, 5) (num_classes=5)" in str(info.value)
 
 
+@pytest.mark.parametrize("labels,message", [
+    (lambda y: y.astype(np.float32),
+     "data set 'fl', train split: labels must be integers (class ids) for a classification "
+     "loss, got dtype float32; every value is a whole number (the first is row 0: {first}): "
+     "store them as integers"),
+    (lambda y: _set(y.astype(np.float32), [7, 9], [0.5, np.nan]),
+     "data set 'fl', train split: labels must be integers (class ids) for a classification "
+     "loss, got dtype float32; 2 of 40 rows hold values that are not whole numbers; the first "
+     "is row 7: 0.5"),
+], ids=["whole_floats", "fractions_and_nan"])
+def test_float_labels_in_an_npz_name_the_split_and_the_first_row(tmp_path, capsys, labels,
+                                                                 message):
+  rng = np.random.default_rng(0)
+  y = rng.integers(0, 3, 40)
+  path = tmp_path / "fl.npz"
+  np.savez(path, x_train=rng.normal(size=(40, 8)).astype(np.float32), y_train=labels(y),
+           x_test=rng.normal(size=(10, 8)).astype(np.float32), y_test=rng.integers(0, 3, 10))
+  assert cli.main(["train", "--no-progress", f"dataset={path}", "steps=1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("dadjax: error: " + message.format(first=float(y[0]))), err
+  assert len(err.splitlines()) == 1
+
+
 def test_metrics_stay_strict_json_when_the_test_loss_is_nan(tmp_path, monkeypatch):
   # finite but huge test inputs: the forward pass overflows, the test loss is not finite
   _digits_with(monkeypatch, x_test=lambda d: (d.x_test * 3e38).astype(np.float32))
