@@ -1,6 +1,4 @@
-"""The Grain input pipeline per host: sources, per-process rows, (seed, step) order, resumable state."""
-import json
-
+"""The Grain input pipeline per host: sources, per-process rows, (seed, step) order, resume."""
 import chex
 import numpy as np
 import pytest
@@ -255,9 +253,9 @@ def test_pipeline_config_keys_are_checked():
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_two_processes_read_their_own_rows_and_resume_like_the_one_process_run(tmp_path):
-  # 2 processes x 2 CPU devices, `dadjax train` with pipeline=grain on a text corpus: killed
-  # after step 2 (a checkpoint with one pipeline file per process) and resumed to step 4, it
-  # logs what one process on 4 sites logs uninterrupted.
+  # 2 processes x 2 CPU devices, `dadjax train` of gpt_tiny with pipeline=grain on a text
+  # corpus: stopped after step 2 (steps=2; a checkpoint with one pipeline file per process), resumed
+  # to step 4, it logs what one process on 4 sites logs uninterrupted.
   import subprocess
   import sys
   from test_multihost import _free_port
@@ -265,7 +263,7 @@ def test_two_processes_read_their_own_rows_and_resume_like_the_one_process_run(t
   corpus = _corpus(tmp_path / "corpus", n_files=10, size=400)
   ckpt = tmp_path / "ckpt"
   args = [f"dataset=text:{corpus}/*.txt", 'dataset_kwargs={"seq_len": 16}',
-          "model=transformer_lm", f"model_kwargs={json.dumps(TINY_LM)}", "num_sites=4",
+          "model=gpt_tiny", "num_sites=4",
           "batch_per_site=2", "eval_every=2", "optimizer=adam", "lr=0.01",
           "partition=by_class", "pipeline=grain", "checkpoint_every=2"]
 

@@ -1,4 +1,4 @@
-"""An input pipeline per host on Grain: random-access sources, each process's sites, resumable state.
+"""An input pipeline per host on Grain: random-access sources, a process's sites, resume.
 
 The in-memory path (`SiteBatcher` over whole numpy arrays) holds every row
 in every process. This pipeline reads rows on demand from a random-access
@@ -219,7 +219,8 @@ def write_array_record(path, x, y) -> str:
   Returns:
     ``str(path)``.
   """
-  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from array_record.python.array_record_module import ArrayRecordWriter
   if len(x) != len(y):
     raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
   writer = ArrayRecordWriter(str(path), "group_size:1")
