@@ -3,10 +3,12 @@
 Each update: the detector's current decision picks, per tensor with ndim >= 2,
 the ``low``-compression setting (critical regime) or the ``high`` one. The
 decisions are equal on every site, so every site issues the same collectives.
-The tensors are batched by shape (:mod:`dadjax.adaptive._switch`): per group
-of equal-shape tensors and per setting, one vmapped exchange under one
-``lax.cond`` that runs only when some member chose that setting; each tensor
-then takes its own setting's result by a select. The setting a tensor did not
+The tensors are batched by shape (:mod:`dadjax.adaptive._switch`): a group
+of ``B`` equal-shape tensors is cut into ``floor(log2 B) + 1`` static chunks,
+the members are placed by their decisions so that each chunk holds one
+setting's members, and each chunk runs one vmapped exchange of its setting
+under one ``lax.cond``: every tensor sends its own setting's payload once. The
+setting a tensor did not
 choose keeps its state (PowerSGD's warm-start ``Q``) untouched, so after an
 excursion to the other setting it resumes where it stopped; the residual
 (error-feedback) memory is one per tensor, shared by both settings (see
@@ -111,12 +113,13 @@ def accordion(
   after a learning-rate decrease until the next check); the step's
   uncompressed local gradient then enters the detector.
 
-  Collectives: equal-shape tensors are exchanged as one batch per setting
-  (one collective per round of the compressor per shape group and setting,
-  not per tensor), so a step compiles O(shape groups) exchanges. A group whose
-  tensors all chose one setting sends exactly that setting's payloads; a
-  group whose tensors disagree sends both settings' payloads for all of them
-  (static shapes), and the ledger records what was sent.
+  Collectives: a group of ``B`` equal-shape tensors is exchanged in
+  ``floor(log2 B) + 1`` batches (static chunks of sizes 1, 2, 4, ... and a
+  remainder, filled by decision so that each holds one setting's members),
+  so a step compiles ``2 (floor(log2 B) + 1)`` exchanges per shape group
+  instead of two per tensor. Whether a group's tensors agree or not, each
+  sends exactly its chosen setting's payload (the per-tensor decisions'
+  bits), and the ledger records what was sent.
 
   Memory (``share_memory=True``): when both settings keep a residual memory
   of the same shape (both ``error_feedback(...)`` of some compressor, or both
