@@ -490,7 +490,9 @@ def _activation_bytes(model: GPT, mesh, rules, batch: int, seq_len: int) -> int:
   is counted as keeping the inputs and the dot outputs (q, k, v, attention
   output, MLP hidden, the two projections). On top: one block's
   intermediates (the recomputed block during the backward pass), the
-  embeddings and the fp32 logits with their gradient.
+  embeddings, the fp32 logits with their gradient, and, where the
+  embedding table is sharded, its whole copy and whole gradient (the lookup
+  reads it whole inside a site).
   """
   item = jnp.dtype(model.dtype).itemsize
   h, kv = model.num_heads, model.d_model // model.num_heads
@@ -513,7 +515,11 @@ def _activation_bytes(model: GPT, mesh, rules, batch: int, seq_len: int) -> int:
   else:
     kept = x + dots
   logits = 2 * size(("batch", "length", "vocab"), (b, t, model.vocab_size), 4)
-  return model.num_layers * kept + block + 2 * x + logits
+  # The lookup reads the table whole inside a site (GPT.__call__): a gathered copy of a sharded
+  # table and its whole gradient before the reduce-scatter, beyond the shard already counted.
+  full = model.vocab_size * d * 4
+  table = 2 * (full - size(("vocab", "embed"), (model.vocab_size, d), 4))
+  return model.num_layers * kept + block + 2 * x + logits + table
 
 
 def _clean(spec, shape, mesh):
