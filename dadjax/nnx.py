@@ -277,16 +277,19 @@ class Model:
     """The module's variables as ``{"params": ..., "dad_state": ..., "batch_stats": ...}``.
 
     ``key`` and the sample inputs are not used (NNX modules are initialized
-    when constructed); collections without variables are left out.
+    when constructed); collections without variables are left out. A
+    parameter with NNX sharding metadata (``nnx.with_partitioning``: its
+    ``out_sharding`` names) comes boxed as ``nn.Partitioned``, so the train
+    step lays it out inside a site as declared (:mod:`dadjax.parallel._layout`).
     """
     del key, args, kwargs
     out = {}
     for name, state in self._templates.items():
       if jax.tree.leaves(state) or name == "params":
-        out[name] = nnx.to_pure_dict(state)
+        out[name] = _boxed(state) if name == "params" else nnx.to_pure_dict(state)
     return out
 
-  def _merge(self, variables):
+  def _merge(self, variables):  # noqa: D401 (see init)
     states = []
     for name, template in self._templates.items():
       state = jax.tree.map(lambda x: x, template)
@@ -346,4 +349,19 @@ class Model:
 
   def __repr__(self) -> str:
     return f"dadjax.nnx.Model({type(self.module).__name__})"
+
+
+def _boxed(state) -> dict:
+  """``nnx.to_pure_dict(state)`` with each sharded ``nnx.Param`` as an ``nn.Partitioned`` box."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  pure = nnx.to_pure_dict(state)
+  for path, var in nnx.to_flat_state(state):
+    names = var.get_metadata().get("out_sharding") or var.get_metadata().get("sharding")
+    if not names:
+      continue
+    node = pure
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = nn.Partitioned(node[path[-1]], tuple(names))
+  return pure
 

@@ -399,3 +399,35 @@ def test_bf16_compute_from_fp32_master_weights():
                      compute_dtype="bfloat16", model_kwargs={"hidden": [16]}), progress=False)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(run.state.params))
   assert np.isfinite(run.final["loss"])
+
+
+def test_nnx_sharding_metadata_lays_out_the_site():
+  from flax import nnx
+
+  class NnxTP(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.up = nnx.Linear(12, 32, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                           rngs=rngs)
+      self.down = nnx.Linear(32, 5, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                             rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(nnx.relu(self.up(x)))
+
+  with nnx.use_eager_sharding(False):  # metadata only: the step places the arrays
+    net = NnxTP(nnx.Rngs(0))
+  mesh = dadjax.make_mesh(sites=2, inner={"model": 4})
+  ts = dadjax.make_train_step(net, optax.chain(dadjax.compressed(dadjax.powersgd(2)),
+                                               optax.sgd(0.1)), mesh=mesh)
+  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
+  for i in range(2):
+    state, _ = ts(state, _batch(i))
+  assert state.params["up"]["kernel"].sharding.spec == P("data", None, "model")
+  assert state.params["down"]["kernel"].sharding.spec == P("data", "model")
+  ref = dadjax.make_train_step(net, optax.chain(dadjax.compressed(dadjax.powersgd(2)),
+                                                optax.sgd(0.1)), mesh=dadjax.make_mesh(2))
+  ref_state = ref.init(jax.random.key(0), _batch(0)["x"][:2])
+  for i in range(2):
+    ref_state, _ = ref(ref_state, _batch(i))
+  chex.assert_trees_all_close(ts.params(state), ref.params(ref_state), atol=2e-5, rtol=2e-5)
