@@ -17,10 +17,20 @@ table gives the smallest N in 2..1024 from which the method is slower than
 the bf16 all-reduce ("never" if it never is; "always" if it is slower at
 N = 2).
 
+A compressor on the two-phase route (``qsgd:16:route=two_phase``,
+:mod:`dadjax.compress._two_phase`) is the exception: its all-gather carries
+one chunk of ``1/N`` of the gradient, so its payload does depend on N. Its
+ledger at each N is the route's exact payload for the run's parameter
+shapes (:func:`dadjax.compress._two_phase.two_phase_bits`; at N = 8 it is
+checked against the run's own ledger), with the compiled program's ops
+(one all-to-all, charged as an all-gather, and one all-gather).
+
 Run (about a minute per method on a laptop CPU):
 
     python experiments/scaling.py --steps 30 --out experiments/results
     python experiments/scaling.py --steps 20 --hidden 512,512 --name scaling_mlp512
+    python experiments/scaling.py --methods bf16,qsgd:16,qsgd:16:route=two_phase,sign,\
+sign:route=two_phase --steps 3 --workload fashion_mlp --name scaling_two_phase_fashion_mlp
 """
 
 from __future__ import annotations
@@ -34,9 +44,13 @@ import time
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # 8 simulated CPU devices
                            + " --xla_force_host_platform_device_count=8").strip()
 
+import dataclasses  # noqa: E402
+
 import jax  # noqa: E402
 
 from dadjax.comm import NetworkModel, comm_stats  # noqa: E402
+from dadjax.compress import get_compressor  # noqa: E402
+from dadjax.compress._two_phase import two_phase_bits  # noqa: E402
 from dadjax.config import Config  # noqa: E402
 from dadjax.demo import DEFAULT_METHODS  # noqa: E402
 from dadjax.train import build, train  # noqa: E402
@@ -83,14 +97,43 @@ def measure(methods, steps: int, base: Config, keep_lr: bool = False) -> dict:
                                               "y": run.dataset.y_train[:rows]})
     out[method] = {"summary": comm_stats(run.state.opt_state), "ops": ops,
                    "compute_s": compute_seconds(method, base)}
+    codec = _two_phase_codec(method)
+    if codec is not None:  # the payload depends on N: the route's exact bits at every N
+      like = jax.tree.map(lambda x: x[0], run.state.params)  # one site's (stacked per site)
+      out[method]["bits_at"] = {n: sum(_payload(codec, like, n)) for n in SITES}
+      booked = out[method]["summary"].gather_bits[0]
+      if out[method]["bits_at"][config.num_sites] != booked:
+        raise RuntimeError(f"{method}: two_phase_bits gives {out[method]['bits_at'][config.num_sites]} bits at "
+                           f"N = {config.num_sites}, the run booked {booked}")
     print(f"{method}: payload {out[method]['summary'].bits_per_step:,} bits/step/site, "
-          f"ops {ops.count['reduce']} reduce + {ops.count['gather']} gather, "
+          f"ops {ops.count['reduce']} reduce + {ops.count['gather']} gather + "
+          f"{ops.count['all_to_all']} all-to-all, "
           f"compute {out[method]['compute_s'] * 1e3:.2f} ms", flush=True)
   return out
 
 
+def _two_phase_codec(method: str):
+  """The chunk codec of a compressor spec on the two-phase route, else ``None``."""
+  if "route=two_phase" not in method:
+    return None
+  return getattr(get_compressor(method).exchange, "codec", None)
+
+
+def _payload(codec, like, n: int) -> tuple[int, int]:
+  """A site's booked gather payload at N sites: one all-to-all row, one all-gather chunk."""
+  a2a, chunk = two_phase_bits(codec, like, n)
+  return a2a // n, chunk
+
+
+def summary_at(m: dict, n: int):
+  """The ledger at N sites: the run's, or the two-phase route's payload at N."""
+  if "bits_at" not in m:
+    return m["summary"]
+  return dataclasses.replace(m["summary"], gather_bits=(m["bits_at"][n],), reduce_bits=(0,))
+
+
 def step_time(m: dict, n: int, bw: float, topo: str, latency: float) -> float:
-  return m["compute_s"] + NetworkModel(bw, latency, n, topo).step_time(m["summary"], m["ops"])
+  return m["compute_s"] + NetworkModel(bw, latency, n, topo).step_time(summary_at(m, n), m["ops"])
 
 
 def bf16_time(ref: dict, n: int, bw: float, topo: str, latency: float) -> float:
@@ -111,12 +154,13 @@ def crossover(m, ref, bw, topo, latency) -> str:
 
 def table(measured, latency) -> str:
   ref = measured["allreduce"]
-  head = "| method | payload bits/step/site | compiled ops | compute (ms) | " + " | ".join(
+  head = "| method | payload bits/step/site (N = 8) | ring wire bits/site (N = 8) | compiled ops | compute (ms) | " + " | ".join(
       f"{topo} {bw / 1e9:g} Gb/s" for topo in TOPOLOGIES for bw in BANDWIDTHS) + " |"
-  lines = [head, "|" + "---|" * (4 + len(TOPOLOGIES) * len(BANDWIDTHS))]
+  lines = [head, "|" + "---|" * (5 + len(TOPOLOGIES) * len(BANDWIDTHS))]
   for method, m in measured.items():
     cells = [crossover(m, ref, bw, topo, latency) for topo in TOPOLOGIES for bw in BANDWIDTHS]
-    lines.append(f"| {method} | {m['summary'].bits_per_step:,} | {m['ops'].ops} | "
+    at8 = summary_at(m, 8)
+    lines.append(f"| {method} | {at8.bits_per_step:,} | {at8.wire_bits(8):,.0f} | {m['ops'].ops} | "
                  f"{m['compute_s'] * 1e3:.2f} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -72,12 +72,14 @@ def program_bits(run, state, placed_batch) -> tuple[int, int]:
   16-bit all-reduces on CPU or combines ops). Ops under ``lax.cond`` are in
   ``all`` only.
   """
-  ops = hlo_collectives(run.lower(state, placed_batch).as_text(dialect="hlo"))
+  ops = collective_ops(run.lower(state, placed_batch).as_text(dialect="hlo"))
   # reduce-scatters (sharded parameters' in-site gradient mean) are left out: their
-  # operand is the whole tensor while the ledger books the slice each device keeps
-  kinds = [k for k in ops.nbytes if k != "reduce_scatter"]
-  total = 8 * sum(ops.nbytes[k] for k in kinds)
-  return total - 8 * sum(ops.conditional_nbytes[k] for k in kinds), total
+  # operand is the whole tensor while the ledger books the slice each device keeps.
+  # An all-to-all is booked as one row of its operand (dadjax.comm.metered_all_to_all).
+  bits = [(8 * op.nbytes // (len(op.groups[0]) if op.kind == "all_to_all" and op.groups else 1),
+           op.conditional) for op in ops if op.kind != "reduce_scatter"]
+  total = sum(b for b, _ in bits)
+  return total - sum(b for b, cond in bits if cond), total
 
 
 def booked_bits(state) -> tuple[tuple[int, ...], int]:
