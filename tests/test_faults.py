@@ -575,6 +575,25 @@ def test_signal_between_checkpoints_saves_that_step_and_resumes_identically(tmp_
   assert [r["step"] for r in rows] == list(range(1, 41))
 
 
+def test_signal_during_the_last_step_is_not_absorbed(tmp_path, reference):
+  from dadjax.errors import Stopped  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "ckpt"
+  config = Config(**SMALL, checkpoint_dir=str(ckpt))
+
+  def log(row):  # the signal arrives while the last step is logged, before it is saved
+    if row["step"] == config.steps:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.raises(Stopped) as info:
+    train(config, progress=False, log=log)
+  assert info.value.exit_code == 143 and info.value.step == config.steps
+  assert str(info.value) == (f"stopped by SIGTERM at step {config.steps}; checkpoint "
+                             f"{config.steps} saved in {ckpt}; that is the last step: the run is "
+                             "complete (a rerun has nothing to do)")
+  run = train(config, progress=False)  # nothing to do; the saved state is the final one
+  chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
+
+
 def test_second_signal_stops_at_once(tmp_path):
   ckpt = tmp_path / "ckpt"
   args = ["steps=40", "eval_every=1", "checkpoint_every=4", f"checkpoint_dir={ckpt}"]
