@@ -216,7 +216,8 @@ def test_rules_give_fsdp_tp_and_both():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, inner", [("tp", {"model": 4}), ("fsdp", {"fsdp": 4})])
+@pytest.mark.parametrize("kind, inner", [("tp", {"model": 4}), ("fsdp", {"fsdp": 4}),
+                                         ("fsdp_tp", {"fsdp": 2, "model": 2})])
 def test_trains_on_sites_of_four_devices_as_on_one(kind, inner):
   import dadjax  # pylint: disable=g-import-not-at-top
   from dadjax.parallel import make_mesh, unstack_site  # pylint: disable=g-import-not-at-top
@@ -235,7 +236,8 @@ def test_trains_on_sites_of_four_devices_as_on_one(kind, inner):
   ref = run(num_sites=2, backend="vmap")
   got = run(mesh=make_mesh(sites=2, inner=inner), rules=gpt_rules(kind))
   kernel = got.params["layers"]["mlp_in"]["kernel"]  # (site, layers, embed, mlp)
-  want = P("data", None, None, "model") if kind == "tp" else P("data", None, "fsdp")
+  want = {"tp": P("data", None, None, "model"), "fsdp": P("data", None, "fsdp"),
+          "fsdp_tp": P("data", None, "fsdp", "model")}[kind]
   assert kernel.sharding.spec == want
   chex.assert_trees_all_close(unstack_site(got.params), unstack_site(ref.params), atol=1e-5)
 
