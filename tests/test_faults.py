@@ -934,6 +934,29 @@ def _wait_for_row(proc, step):
   pytest.fail(f"the worker ended before step {step}")
 
 
+def test_transport_errors_are_told_from_a_process_s_own_errors():
+  from dadjax import _peers  # pylint: disable=g-import-not-at-top
+  gloo = jax.errors.JaxRuntimeError("INTERNAL: Gloo AllGather failed: [gloo/transport/tcp/"
+                                    "pair.cc:547] Connection closed by peer [127.0.0.1]:4")
+  reset = jax.errors.JaxRuntimeError("INTERNAL: ... pair.cc:538] Connection reset by peer")
+  assert _peers.is_transport_error(gloo) and _peers.is_transport_error(reset)
+  try:  # wrapped, as a checkpoint's agreement wraps it
+    try:
+      raise gloo
+    except Exception as e:
+      raise CheckpointError("the processes could not exchange their verdicts") from e
+  except CheckpointError as wrapped:
+    assert _peers.is_transport_error(wrapped)
+  assert not _peers.is_transport_error(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of "
+                                                                  "memory allocating 8 GB"))
+  assert not _peers.is_transport_error(RuntimeError("Connection closed by peer"))  # not JAX's
+  watch = _peers.PeerWatch(1.0, step=lambda: 0, last_checkpoint=lambda: None)
+  with watch:  # one process: nothing to wait for
+    started = time.monotonic()
+    watch.confirm(gloo)
+    assert time.monotonic() - started < 0.5
+
+
 @pytest.mark.slow  # 45 s; the one-process signal tests and the lost-process test stay default
 @pytest.mark.multihost
 def test_two_processes_sigterm_to_one_both_save_the_same_step_and_resume(tmp_path):
