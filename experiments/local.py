@@ -238,6 +238,30 @@ def resolve_defaults(args, parser) -> None:
   args.target = 0.9 if args.target is None else args.target
 
 
+def report_text(args, results, seeds, command: str, seconds: float, planned: int) -> str:
+  """The results file: the command, the setting and the table of the ``planned`` runs done so far."""
+  done = sum(len(runs) for runs in results.values())
+  status = "" if planned == done else f" (partial: {done} of {planned} runs so far)"
+  return "\n".join([
+      "# Local updates vs all-reduce and gradient compression",
+      "",
+      f"Command: `{command.strip()}` ({seconds:.0f} s on this machine){status}.",
+      "",
+      setting(args),
+      f"{args.steps} steps for every method (equal samples), seeds {seeds} (each seed: its "
+      f"own initialization and site "
+      f"batches; one compiled step per method, so a compressor's key seed is the first "
+      f"seed's). Wire bits per site for a ring of N = {SITES} "
+      f"(`dadjax.comm.report`); modeled time at {args.bandwidth:g} bit/s and "
+      f"{args.latency:g} s per message (latency per recorded call: vmap-simulated sites). "
+      f"Accuracy is that of the synchronized parameters (DiLoCo's anchor), evaluated every "
+      f"{args.eval_every} steps.",
+      "",
+      table(results, args),
+      "",
+  ])
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="digits",
@@ -275,35 +299,21 @@ def main(argv=None) -> int:
     known = dict((spec, label) for label, spec in methods)
     methods = [(known.get(spec, spec), spec) for spec in args.methods.split(";")]
   network = NetworkModel(bandwidth=args.bandwidth, latency=args.latency, num_sites=SITES)
-  results = {}
+  results: dict = {}
   t0 = time.perf_counter()
-  for label, spec in methods:
-    cache: dict = {}
-    results[(label, spec)] = [run_one(args, spec, seed, network, cache) for seed in seeds]
-    acc = np.mean([r["curve"][-1][1] for r in results[(label, spec)]])
-    print(f"{label:48s} {args.metric} {acc:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python experiments/local.py " + " ".join(sys.argv[1:] if argv is None else argv)
-  text = "\n".join([
-      "# Local updates vs all-reduce and gradient compression",
-      "",
-      f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on this machine).",
-      "",
-      setting(args),
-      f"{args.steps} steps for every method (equal samples), seeds {seeds} (each seed: its "
-      f"own initialization and site "
-      f"batches; one compiled step per method, so a compressor's key seed is the first "
-      f"seed's). Wire bits per site for a ring of N = {SITES} "
-      f"(`dadjax.comm.report`); modeled time at {args.bandwidth:g} bit/s and "
-      f"{args.latency:g} s per message (latency per recorded call: vmap-simulated sites). "
-      f"Accuracy is that of the synchronized parameters (DiLoCo's anchor), evaluated every "
-      f"{args.eval_every} steps.",
-      "",
-      table(results, args),
-      "",
-  ])
-  (out / f"{args.name}.md").write_text(text)
+  for label, spec in methods:
+    cache: dict = {}
+    for seed in seeds:
+      results.setdefault((label, spec), []).append(run_one(args, spec, seed, network, cache))
+      # written after every run, so a long grid keeps what it has measured
+      text = report_text(args, results, seeds, command, time.perf_counter() - t0,
+                         len(methods) * len(seeds))
+      (out / f"{args.name}.md").write_text(text)
+    acc = np.mean([r["curve"][-1][1] for r in results[(label, spec)]])
+    print(f"{label:48s} {args.metric} {acc:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
   plot(results, out / f"{args.name}.png", args.metric)
   print(text)
   return 0
