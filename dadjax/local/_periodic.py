@@ -1,13 +1,15 @@
 """Local updates: sites step on their own, then synchronize a pseudo-gradient.
 
-One transformation serves local SGD, DiLoCo and Streaming DiLoCo. Every
-optimizer step it runs the inner (local) optimizer on the site's gradient;
-on a synchronization step of a fragment of the parameters (inside
-``lax.cond``, so the collective runs only there) it computes the
+One transformation serves local SGD, DiLoCo, Streaming DiLoCo, SparseLoCo
+and DeMo. Every optimizer step it runs the inner (local) optimizer on the
+site's gradient; on a synchronization step of a fragment of the parameters
+(inside ``lax.cond``, so the collective runs only there) it computes the
 pseudo-gradient ``Delta = anchor - local`` (the change since the last
-synchronization), averages it over the sites (an fp32 all-reduce or any
-dadjax compressor), lets the outer optimizer update the anchor with it and
-moves the site's parameters to the merged result. The update it returns is
+synchronization), averages it over the sites (the *communicate* step: an
+fp32 all-reduce, any dadjax compressor, or a decaying error-feedback
+memory), lets the *merge* step (an outer optimizer) update the anchor with
+it and moves the site's parameters to the merged result
+(:mod:`dadjax.local._steps`). The update it returns is
 ``new params - params``, so the train step's ``apply_updates`` lands every
 site on the new parameters.
 """
@@ -39,9 +41,10 @@ class LocalState(NamedTuple):
     anchor: the synchronized parameters (``theta_global``), like ``params``;
       between synchronizations every site's own parameters differ from it.
     inner: the inner optimizer's state, kept across synchronizations.
-    outer: one outer-optimizer state per fragment (a tuple).
-    codec: one compressor state per fragment (error-feedback memories,
-      PowerSGD warm starts; ``EmptyState`` for the fp32 all-reduce).
+    outer: one merge state per fragment (a tuple; the outer optimizer's).
+    codec: one communicate state per fragment (error-feedback memories:
+      SparseLoCo's accumulator, DeMo's momentum; PowerSGD warm starts;
+      ``EmptyState`` for the fp32 all-reduce).
     pending: Streaming DiLoCo with ``delay > 0``: the averaged
       pseudo-gradient of each fragment, received and not merged yet (like
       ``params``); ``None`` otherwise.
