@@ -6,6 +6,11 @@ between two), and a signal that JAX's preemption sync point would place
 after the last step still ends both processes with a saved checkpoint and
 exit code 143. README, "When things go wrong", rows "2 processes, ...".
 
+The two runs that the default suite keeps (about 20 s each on two idle cores)
+are the kill of process 0 and the collective that fails on the lost peer;
+the seeded kills of process 1 and the signal in the last sync window are
+``slow`` (``pytest -m "multihost"`` runs all five: about 140 s).
+
 The kill timings are a fixed, seeded set rather than a loop of many kills
 (each trial starts two processes: about 15 s on two loaded cores): two rows
 drawn by ``random.Random(37)`` for process 1, one for process 0, and the
@@ -135,6 +140,7 @@ def _kill_and_watch(pair: Pair, victim: int) -> float:
   return took
 
 
+@pytest.mark.slow  # 2 x 20 s; the default suite kills process 1 in test_faults.py and below
 @pytest.mark.parametrize("row", KILL_ROWS[:2])
 def test_sigkill_of_process_1_ends_process_0_with_the_lost_line(tmp_path, row):
   pair = Pair(tmp_path, 200)
@@ -200,6 +206,7 @@ def _losses(run_dir: pathlib.Path) -> list[tuple]:
   return [(r["step"], r["loss"], r["test_loss"], r["test_accuracy"]) for r in rows]
 
 
+@pytest.mark.slow  # 4 runs of two processes (50 s); test_faults.py has the one-process case
 def test_signal_in_the_last_sync_window_saves_and_exits_143(tmp_path):
   steps = 8
   whole = Pair(tmp_path / "whole", steps)  # the uninterrupted run, beside the others
