@@ -277,9 +277,8 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
     pending = b""
     while chunk := os.read(status_r, 4096):
       *lines, pending = (pending + chunk).split(b"\n")
-      if lines:
-        step, kept = lines[-1].decode().split()
-        status[:] = [step, None if kept == "-" else kept]
+      if lines and len(fields := lines[-1].decode(errors="replace").split()) == 2:
+        status[:] = [fields[0], None if fields[1] == "-" else fields[1]]
     os.close(status_r)
 
   reader = threading.Thread(target=read_status, daemon=True)
@@ -339,9 +338,9 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
     name = signal.Signals(signum).name
   except ValueError:
     name = f"signal {signum}"
-  print(f"dadjax: error: the training process (pid {child.pid}) was killed by {name} at step "
-        f"{step} (from outside, or the system ran out of memory); {kept_text}",
-        file=sys.stderr, flush=True)
+  print(f"dadjax: error: the training process (pid {child.pid}) was ended by {name} at step "
+        f"{step} (a signal from outside, the out-of-memory killer, or a crash: see the output "
+        f"above); {kept_text}", file=sys.stderr, flush=True)
   return 128 + signum
 
 
