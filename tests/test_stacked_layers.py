@@ -214,3 +214,17 @@ def test_an_explicit_argument_replaces_the_metadata():
   tw, twin, _ = _run("topk:0.25", Unrolled(), params=_twin_params(start))
   got = _twin_params(jax.tree.map(lambda x: np.asarray(x)[0], scanned.params))
   chex.assert_trees_all_close(got, tw.params(twin), atol=2e-4, rtol=2e-3)
+
+
+def test_per_layer_state_of_a_sharded_stack_follows_the_layers_sharding():
+  mesh = dadjax.make_mesh(sites=2, inner={"model": 4})
+  specs = {"blocks": {"Dense_0": {"kernel": jax.sharding.PartitionSpec(None, None, "model")}}}
+  ts = dadjax.make_train_step(Scanned(), dadjax.build_method("ef(topk:0.25)").optimizer(
+      optax.sgd(0.1)), mesh=mesh, param_specs=specs)
+  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
+  state, _ = ts(state, _batch(0))
+  memories = [x for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+              if "kernel" in jax.tree_util.keystr(p) and np.shape(x)[1:] == (WIDTH, WIDTH)]
+  assert len(memories) == LAYERS  # one error-feedback memory per layer
+  for m in memories:  # (sites, m, n) of one layer, split like the stack's columns
+    assert m.sharding.spec == jax.sharding.PartitionSpec("data", None, "model")

@@ -253,21 +253,42 @@ def mirror_specs(tree: Any, params: Any, param_specs: Any, default: Callable[[An
 
   A leaf whose key path ends with a parameter's path and whose shape is the
   parameter's takes that parameter's spec (Adam's moments, error-feedback
-  memories, a local-update family's inner parameters); every other leaf gets
-  ``default(leaf)``.
+  memories, a local-update family's inner parameters); a leaf at a stacked
+  parameter's path plus a layer index (:func:`dadjax.per_layer`'s state) with
+  the parameter's shape less one axis takes its spec less that axis; every
+  other leaf gets ``default(leaf)``.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   spec_leaves = jax.tree.structure(params).flatten_up_to(param_specs)
   by_path = {tuple(path): (tuple(np.shape(x)), s) for (path, x), s in zip(leaves, spec_leaves)}
 
   def leaf_spec(path, x):
+    shape = tuple(np.shape(x))
     for k in range(len(path), 0, -1):  # the longest matching suffix
       hit = by_path.get(tuple(path[-k:]))
       if hit is not None:
-        return hit[1] if hit[0] == tuple(np.shape(x)) else default(x)
+        return hit[1] if hit[0] == shape else default(x)
+    if path and isinstance(path[-1], jax.tree_util.SequenceKey):  # one layer of a stacked leaf
+      for k in range(len(path) - 1, 0, -1):
+        hit = by_path.get(tuple(path[-k - 1:-1]))
+        if hit is not None:
+          return _without_axis(hit, shape) or default(x)
     return default(x)
 
   return jax.tree_util.tree_map_with_path(leaf_spec, tree)
+
+
+def _without_axis(hit: tuple, shape: tuple) -> P | None:
+  """The spec of one layer of a stacked parameter: the parameter's without its layer axis."""
+  full, spec = hit
+  entries = tuple(spec) + (None,) * (len(full) - len(tuple(spec)))
+  for axis in range(len(full)):
+    if full[:axis] + full[axis + 1:] == shape:
+      kept = list(entries[:axis] + entries[axis + 1:])
+      while kept and kept[-1] is None:
+        kept.pop()
+      return P(*kept)
+  return None
 
 
 def strip_site_axis(rules: Rules | None, site_axis: str) -> tuple | None:
