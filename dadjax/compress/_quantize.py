@@ -300,7 +300,7 @@ def terngrad(clip: float | None = 2.5, noise: str = "threefry",
 
 def _valid_counts(rows, lay, block):
   """Real (not padding) entries of each block of the chunks ``rows``: ``[R, nb]``, at least 1."""
-  valid = jnp.asarray(lay.valid, jnp.float32)[rows]
+  valid = lay.valid(rows).astype(jnp.float32)
   return jnp.maximum(tp.per_block(valid, block, jnp.sum), 1.0)
 
 
@@ -439,7 +439,7 @@ def _sign_codec() -> Codec:
     del key
     # A site abstains on a tensor that is zero here (as on the one-round route); every chunk
     # carries the site's abstain bit of every tensor, so its owner can count the voters.
-    leaf_of = jnp.asarray(lay.leaf_of)[rows].reshape(-1)
+    leaf_of = lay.leaf_of(rows).reshape(-1)
     top = jax.ops.segment_max(jnp.abs(v).reshape(-1), leaf_of, lay.leaves)
     mask = pack_bits((top <= 0).astype(jnp.uint32), 1)
     signs = tp.pack_rows((v < 0).astype(jnp.uint32), 1)
@@ -452,13 +452,13 @@ def _sign_codec() -> Codec:
 
   def decode(buf, rows, lay):
     abstain, negative = unpack(buf, lay)
-    leaf_of = jnp.asarray(lay.leaf_of)[rows]
+    leaf_of = lay.leaf_of(rows)
     silent = jnp.take_along_axis(abstain, leaf_of, axis=1)
     return jnp.where(negative == 1, -1.0, 1.0) * (1 - silent)
 
   def combine(received, mine, lay):
     abstain, negative = unpack(received, lay)  # (sites, L), (sites, m)
-    leaf_of = jnp.asarray(lay.leaf_of)[mine]
+    leaf_of = lay.leaf_of(mine[None])[0]
     voters = received.shape[0] - jnp.sum(abstain, axis=0)[leaf_of]
     return jnp.sign(voters - 2 * jnp.sum(negative, axis=0)).astype(jnp.float32)
 

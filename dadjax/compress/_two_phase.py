@@ -66,27 +66,42 @@ class Layout(NamedTuple):
     sites: ``N``.
     chunk: entries per chunk ``m`` (a multiple of 32).
     size: real entries ``D`` (the rest of ``N * m`` is padding).
-    leaf_of: ``int32[N, m]`` the leaf of each position (padding: the last leaf).
-    leaves: number of leaves ``L``.
-    valid: ``bool[N, m]`` whether a position holds a real entry.
+    ends: the flat end of each leaf (cumulative sizes), a tuple of ``L`` ints.
   """
 
   sites: int
   chunk: int
   size: int
-  leaf_of: np.ndarray
-  leaves: int
-  valid: np.ndarray
+  ends: tuple
+
+  @property
+  def leaves(self) -> int:
+    return len(self.ends)
+
+  def positions(self, rows: jax.Array) -> jax.Array:
+    """Flat positions of the entries of chunks ``rows``: ``int32[R, m]``."""
+    return rows[:, None] * self.chunk + jnp.arange(self.chunk, dtype=jnp.int32)
+
+  def leaf_of(self, rows: jax.Array) -> jax.Array:
+    """The leaf of each entry of chunks ``rows`` (padding: the last leaf), ``int32[R, m]``.
+
+    Computed, not stored: a constant table of every position would be folded
+    by XLA at compile time (seconds for 2M entries).
+    """
+    ends = jnp.asarray(self.ends[:-1], jnp.int32)
+    method = "compare_all" if len(ends) <= 64 else "sort"  # the default scan is slow on CPU
+    return jnp.searchsorted(ends, self.positions(rows), side="right", method=method).astype(jnp.int32)
+
+  def valid(self, rows: jax.Array) -> jax.Array:
+    """Whether each entry of chunks ``rows`` is real (not padding), ``bool[R, m]``."""
+    return self.positions(rows) < self.size
 
 
 def layout(sizes: list[int], sites: int) -> Layout:
   """The chunk layout of leaves of ``sizes`` entries over ``sites`` sites."""
   d = sum(sizes)
   m = WORD_BITS * max(1, -(-d // (sites * WORD_BITS)))
-  ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-  ids = np.concatenate([ids, np.full(sites * m - d, max(len(sizes) - 1, 0), np.int32)])
-  valid = np.arange(sites * m) < d
-  return Layout(sites, m, d, ids.reshape(sites, m), len(sizes), valid.reshape(sites, m))
+  return Layout(sites, m, d, tuple(int(e) for e in np.cumsum(sizes)))
 
 
 class Codec(NamedTuple):
