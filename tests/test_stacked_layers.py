@@ -153,7 +153,8 @@ def test_a_scanned_model_trains_like_its_twin_through_the_step():
                                                           b.total_bits)
 
 
-@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", "rank_dad:2"])
+@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", "rank_dad:2",
+                                  "accordion(powersgd:2,powersgd:1,window=1,interval=1)"])
 def test_keyed_methods_book_the_twins_bits(spec):
   """Keyed draws (PowerSGD's first Q, QSGD's rounding) come from each layer's own key, so the
   updates equal the twin's in distribution; the bits are the twin's exactly."""
@@ -228,3 +229,11 @@ def test_per_layer_state_of_a_sharded_stack_follows_the_layers_sharding():
   assert len(memories) == LAYERS  # one error-feedback memory per layer
   for m in memories:  # (sites, m, n) of one layer, split like the stack's columns
     assert m.sharding.spec == jax.sharding.PartitionSpec("data", None, "model")
+
+
+def test_accordion_decides_per_layer_of_a_stack():
+  ts, state, _ = _run("accordion(topk:0.5,topk:0.1,window=1,interval=1)", Scanned(), steps=3)
+  row = ts.metrics_row(state)
+  layers = [k for k in row if k.startswith("accordion/critical/blocks/Dense_0/kernel/")]
+  assert sorted(layers) == [f"accordion/critical/blocks/Dense_0/kernel/{i}" for i in range(LAYERS)]
+

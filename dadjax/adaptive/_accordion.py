@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dadjax._core.layers import per_layer, unstack
 from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
 from dadjax._tree_utils import path_names
@@ -233,7 +234,8 @@ def accordion(
                                state.compressed, sent_low, lr, comm)
     return jax.tree.unflatten(treedef, means), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # a leaf stacked by nn.scan is L tensors: L detectors, L decisions, L exchanges
+  return per_layer(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def _is_accordion(x) -> bool:
@@ -254,8 +256,9 @@ def find_accordion_state(state: Any) -> AccordionState:
 
 
 def tensor_names(params: Any) -> list[str]:
-  """Names of the leaves of ``params`` (``"Dense_0/kernel"``), in leaf order."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  """Names of the leaves of ``params`` (``"Dense_0/kernel"``), in leaf order; inside
+  :func:`dadjax.stacked_layers`, each layer of a stacked leaf (``"blocks/kernel/0"``)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(unstack(params))
   return ["/".join(path_names(path)) for path, _ in flat]
 
 

@@ -296,7 +296,8 @@ class TrainStep:
     """The state's own metrics rows: every reporting node of the optimizer and
     batch-stage states (:func:`dadjax._core.report.collect_rows`) and every
     collection whose rule has a ``metrics_row``."""
-    row = report.collect_rows(state.opt_state, unstack_site(state.params, 0))
+    with stacked_layers(self.layer_axes):  # per-layer rows (Accordion's decisions) by layer
+      row = report.collect_rows(state.opt_state, unstack_site(state.params, 0))
     row.update(report.collect_rows(state.stage_state))
     for name, value in dict(state.model_state or {}).items():
       rule = self.rules.get(name)
