@@ -218,3 +218,18 @@ def test_bad_arguments_raise():
     C.quantize(bits=1)
   with pytest.raises(ValueError, match="leading axis"):
     jax.vmap(lambda x: metered_all_to_all(x, AXIS)[0], axis_name=AXIS)(jnp.zeros((4, 3, 2)))
+
+
+def test_shard_map_train_step_books_what_its_program_moves():
+  # The step's own ledger check counts an all-to-all as the one row the ledger books.
+  rng = np.random.default_rng(1)
+  batch = {"x": jnp.asarray(rng.normal(size=(64, 12)), jnp.float32),
+           "y": jnp.asarray(rng.integers(0, 3, size=64))}
+  tx = optax.chain(C.compressed(C.get_compressor("sign:route=two_phase")), optax.sgd(0.01))
+  step = dadjax.make_train_step(MLP(hidden=(16,), num_classes=3), tx, num_sites=8,
+                                backend="shard_map")
+  state = step.init(jax.random.key(0), batch["x"][:2])
+  state, _ = step(state, batch)
+  check = step.ledger_check(state, batch)
+  assert check["program_bits"] == check["booked_bits"]
+  assert step.collectives(state, batch).count["all_to_all"] == 1
