@@ -24,7 +24,9 @@ devices (shard_map); ``--device gpu`` runs on the accelerator with the sites
 simulated by vmap on its one device (no collective ops to read there) and
 writes into ``experiments/results/device/``. ``--ablate`` adds kernel timings
 on each model's parameter shapes (noise, packing, top-k selection,
-orthogonalization; see :func:`ablations`).
+orthogonalization; see :func:`ablations`). On the MLP, when ``torch`` is importable
+(it is not a dependency), PyTorch DDP rows follow: the plain step and DDP with the PowerSGD
+hook (rank 4, error feedback, warm start) over ``--sites`` gloo processes (``--torch``).
 
 Examples:
   python experiments/bench_scale.py --quick                 # small sizes, a smoke run
@@ -84,6 +86,9 @@ def parse_args(argv=None):
   p.add_argument("--per-leaf", action="store_true",
                  help="leafwise compressors one leaf at a time (the reference form), not one "
                       "vmap per group of same-shape leaves")
+  p.add_argument("--torch", default="auto", choices=("auto", "on", "off"),
+                 help="PyTorch DDP rows on the MLP (plain step and the PowerSGD hook) when torch "
+                      "is importable (auto), required (on) or never (off)")
   p.add_argument("--out", default=None, help="results file (default experiments/results/"
                  "bench_scale.md, or device/bench_scale.md with --device gpu)")
   args = p.parse_args(argv)
@@ -324,6 +329,102 @@ def ablations(args, model_name, base_ms) -> list[str]:
           *rows, ""]
 
 
+def torch_available() -> bool:
+  try:
+    import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import torch.distributed  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def _torch_worker(rank, sites, hidden, batch, pairs, port, out_path):
+  """One DDP rank: the plain step and the PowerSGD-hook step, alternately; rank 0 writes ms."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.distributed as dist  # pylint: disable=g-import-not-at-top
+  from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd  # pylint: disable=g-import-not-at-top
+  from torch.nn.parallel import DistributedDataParallel as DDP  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(1)  # one core per rank, as the XLA host devices share the cores
+  dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                          world_size=sites)
+  torch.manual_seed(0)
+
+  def mlp():
+    layers, width = [], 784
+    for h in hidden:
+      layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+      width = h
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+  plain, hooked = DDP(mlp()), DDP(mlp())
+  # rank 4, error feedback, warm start (the hook's defaults), compressing from step 2
+  state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                             start_powerSGD_iter=2, min_compression_rate=1.0,
+                             use_error_feedback=True, warm_start=True)
+  hooked.register_comm_hook(state, psgd.powerSGD_hook)
+  opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (plain, hooked)}
+  gen = torch.Generator().manual_seed(rank)
+  x = torch.randn(batch, 784, generator=gen)
+  y = torch.randint(0, 10, (batch,), generator=gen)
+
+  def step(model):
+    t0 = time.perf_counter()
+    opt = opts[id(model)]
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+  for _ in range(3):  # warm-up; the hook compresses from its step 2 on
+    step(plain), step(hooked)
+  times = {"plain": [], "powersgd": []}
+  for _ in range(pairs):
+    dist.barrier()
+    times["plain"].append(step(plain))
+    dist.barrier()
+    times["powersgd"].append(step(hooked))
+  if rank == 0:
+    with open(out_path, "w") as f:
+      f.write(repr(times))
+  dist.destroy_process_group()
+
+
+def torch_rows(args) -> list[str]:
+  """PyTorch DDP (gloo, ``--sites`` processes) on the MLP: the plain step and the PowerSGD hook.
+
+  The same model, batch per rank and optimizer (SGD with momentum 0.9) as the MLP rows; the
+  two steps run alternately ``--pairs`` times after 3 warm-up steps, each rank on one thread.
+  """
+  import ast  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.multiprocessing as tmp  # pylint: disable=g-import-not-at-top
+
+  batch = args.batch or (4 if args.quick else MODELS["mlp"][4])
+  hidden = tuple(MODELS["mlp"][2 if args.quick else 1]["hidden"])
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  with tempfile.TemporaryDirectory() as tmpdir:
+    out_path = os.path.join(tmpdir, "times")
+    tmp.spawn(_torch_worker, args=(args.sites, hidden, batch, args.pairs, port, out_path),
+              nprocs=args.sites, join=True)
+    with open(out_path) as f:
+      times = ast.literal_eval(f.read())
+  ratios = [h / p for p, h in zip(times["plain"], times["powersgd"])]
+  q1, med, q3 = quartiles(ratios)
+  plain, hooked = (1e3 * statistics.median(times[k]) for k in ("plain", "powersgd"))
+  print(f"torch DDP: plain {plain:.0f} ms, PowerSGD hook {hooked:.0f} ms (x{med:.2f})", flush=True)
+  return [f"#### PyTorch DDP on the same MLP {hidden} (torch {torch.__version__}, gloo, {args.sites} "
+          f"processes, 1 thread each, batch {batch} per rank, {args.pairs} interleaved pairs)", "",
+          "| step | step (ms) | vs plain: median [q1, q3] | added (ms) |", "|---|---:|---|---:|",
+          f"| DDP plain | {plain:.0f} | 1.00 | 0 |",
+          f"| DDP + PowerSGD hook (rank 4, error feedback, warm start) | {hooked:.0f} | "
+          f"{med:.2f} [{q1:.2f}, {q3:.2f}] | {hooked - plain:.0f} |", ""]
+
+
 def uptime() -> str:
   try:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
@@ -353,6 +454,13 @@ def main(argv=None):
     out += table(model_name, rows)
     if args.ablate:
       out += ablations(args, model_name, next(r["ms"] for r in rows if r["method"] == "allreduce"))
+    if model_name == "mlp" and args.device == "cpu" and args.torch != "off":
+      if torch_available():
+        out += torch_rows(args)
+      elif args.torch == "on":
+        raise SystemExit("--torch on: torch is not importable")
+      else:
+        out += ["(PyTorch DDP rows skipped: torch is not importable.)", ""]
   head = [f"Command: `{command}`", "",
           f"Devices: {len(jax.devices())} x {dev.platform} ({dev.device_kind}); jax "
           f"{jax.__version__}; {args.sites} sites ({'vmap' if args.device == 'gpu' else 'shard_map'}"
