@@ -357,10 +357,13 @@ def _torch_worker(rank, sites, hidden, batch, pairs, port, out_path):
       width = h
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
-  plain, hooked = DDP(mlp()), DDP(mlp())
-  # rank 4, error feedback, warm start (the hook's defaults), compressing from step 2
-  state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                             start_powerSGD_iter=2, min_compression_rate=1.0,
+  # a process group per model: the two models' collectives never meet on one group
+  groups = (dist.new_group(list(range(sites))), dist.new_group(list(range(sites))))
+  # one bucket each (the MLP is 7.5 MB), so no bucket rebuild after the first step
+  plain, hooked = (DDP(mlp(), process_group=g, bucket_cap_mb=64) for g in groups)
+  # rank 4, error feedback, warm start (the hook's defaults), compressing from step 3
+  state = psgd.PowerSGDState(process_group=groups[1], matrix_approximation_rank=4,
+                             start_powerSGD_iter=3, min_compression_rate=1.0,
                              use_error_feedback=True, warm_start=True)
   hooked.register_comm_hook(state, psgd.powerSGD_hook)
   opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (plain, hooked)}
@@ -376,7 +379,7 @@ def _torch_worker(rank, sites, hidden, batch, pairs, port, out_path):
     opt.step()
     return time.perf_counter() - t0
 
-  for _ in range(3):  # warm-up; the hook compresses from its step 2 on
+  for _ in range(5):  # warm-up; the hook compresses from its step 3 on
     step(plain), step(hooked)
   times = {"plain": [], "powersgd": []}
   for _ in range(pairs):
@@ -394,7 +397,7 @@ def torch_rows(args) -> list[str]:
   """PyTorch DDP (gloo, ``--sites`` processes) on the MLP: the plain step and the PowerSGD hook.
 
   The same model, batch per rank and optimizer (SGD with momentum 0.9) as the MLP rows; the
-  two steps run alternately ``--pairs`` times after 3 warm-up steps, each rank on one thread.
+  two steps run alternately ``--pairs`` times after 5 warm-up steps, each rank on one thread.
   """
   import ast  # pylint: disable=g-import-not-at-top
   import socket  # pylint: disable=g-import-not-at-top
