@@ -113,14 +113,12 @@ class Codec(NamedTuple):
 
   Attributes:
     encode: ``(v f32[R, m], key, rows int32[R], lay) -> u32[R, w]``; ``rows``
-      are the chunks' indices (what :class:`Layout` knows about them).
+      are the chunks' indices (:class:`Layout` gives their entries' leaves).
     decode: ``(buf u32[R, w], rows, lay) -> f32[R, m]``.
     combine: ``(received u32[N, w], mine, lay) -> f32[m]``, the value the
       owner of chunk ``mine`` sends in phase two; ``None``: the fp32 mean of
       the decoded rows.
     encode2, decode2: phase two's pair; ``None``: ``encode`` / ``decode``.
-    bits: bits per entry of the codes (phase one, phase two), for the
-      ``auto`` route's documentation.
   """
 
   encode: Callable[..., jax.Array]
