@@ -18,7 +18,8 @@ AXIS = "data"
 FILL = {"ef": "ef_topk:0.25", "accordion_rank_dad": "accordion_rank_dad:2:1",
         "accordion": "accordion(powersgd:2,powersgd:1)",
         "accordion_batch": "accordion_batch(allreduce)", "local_sgd": "local_sgd:2",
-        "diloco": "diloco:2", "streaming_diloco": "streaming_diloco:2"}
+        "diloco": "diloco:2", "streaming_diloco": "streaming_diloco:2",
+        "sparseloco": "sparseloco:2", "demo": "demo:2"}
 EXTRA_COMPRESSORS = ["qsgd:16:64", "ef_sign", "ef_scaled_sign", "ef_powersgd:1", "topk:0.25",
                      "randomk:0.25"]
 

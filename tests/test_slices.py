@@ -225,7 +225,7 @@ LAYOUTS = {"tp": {"model": 4}, "fsdp_tp": {"fsdp": 2, "model": 2}}
 
 
 @pytest.mark.parametrize("spec", FAMILIES)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param("tp", marks=pytest.mark.slow), "fsdp_tp"])
 def test_every_family_trains_a_sharded_model_like_the_replicated_one(spec, layout):
   mesh = dadjax.make_mesh(sites=2, inner=LAYOUTS[layout])
   fsdp = layout == "fsdp_tp"
@@ -308,7 +308,8 @@ def _text(tmp_path):
   return f"text:{tmp_path}/*.txt"
 
 
-@pytest.mark.parametrize("method", ["ef(topk:0.1)", "powersgd:2"])
+@pytest.mark.parametrize("method", ["ef(topk:0.1)",
+                                    pytest.param("powersgd:2", marks=pytest.mark.slow)])
 def test_dadjax_train_shards_a_gpt_by_its_logical_rules(tmp_path, method):
   from dadjax.config import Config
   from dadjax.train import train

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 
 from dadjax._core.bits import Bits, as_bits, bits_add, bits_sum, bits_zero
 from dadjax._core.vma import cond
-from dadjax.compress import _base
-from dadjax.compress import ErrorFeedbackState, PowerSGDState, exchange, leaf_keys
+from dadjax.compress import ErrorFeedbackState, PowerSGDState, exchange, grouping, leaf_keys
 
 
 def compressed(leaf) -> bool:
@@ -211,7 +210,7 @@ def switch(low, high, leaves, critical, lows, highs, memory, keys, axis_name):
   for group in shape_groups(leaves):
     b = len(group)
     # GROUP_SAME_SHAPES off (benchmarks' per-leaf reference): every tensor its own chunk
-    sizes = chunk_sizes(b) if _base.GROUP_SAME_SHAPES else (1,) * b
+    sizes = chunk_sizes(b) if grouping() else (1,) * b
     chose_low = jnp.stack([critical[i] for i in group])
     group_state = (jnp.stack([leaves[i] for i in group]),
                    _stack([lows[i] for i in group]), _stack([highs[i] for i in group]),

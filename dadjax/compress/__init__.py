@@ -6,7 +6,8 @@ Every compressor is also registered by name (``get_compressor("ef_topk:0.01")``,
 helpers for writing new compressors are in :mod:`dadjax.extend`.
 """
 
-from dadjax.compress._base import Compressor, EmptyState, Keys, exchange, leaf_keys, step_keys
+from dadjax.compress._base import (Compressor, EmptyState, Keys, exchange, grouping, leaf_keys,
+                                 step_keys)
 from dadjax.compress._cast import cast, identity
 from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
 from dadjax.compress._powersgd import PowerSGDState, powersgd

@@ -338,6 +338,12 @@ def _empty(x) -> bool:
   return math.prod(jnp.shape(x)) == 0
 
 
+def grouping() -> bool:
+  """Whether leafwise work runs grouped by shape now (:data:`GROUP_SAME_SHAPES`, read at trace
+  time)."""
+  return GROUP_SAME_SHAPES
+
+
 def same_shape_groups(leaves: list, group: bool = True) -> list[list[int]]:
   """Positions of the non-empty ``leaves`` grouped by (shape, dtype), in first-seen order
   (each leaf alone when ``group`` or :data:`GROUP_SAME_SHAPES` is off, or when it has more
