@@ -112,8 +112,7 @@ def _psum(x: jax.Array, axis_name) -> jax.Array:
 
   There XLA:CPU's all-reduce promotion (which widens every 16-bit
   all-reduce to fp32) aborts the compiler ("Invalid binary instruction
-  opcode copy", ``AllReducePromotion`` -> ``CloneAllReduce``; reproduced by
-  tests/test_slices.py::test_xla_limitations_that_the_placement_works_around and by
+  opcode copy", ``AllReducePromotion`` -> ``CloneAllReduce``; seen with
   ``jax.lax.psum(x.astype(jnp.bfloat16), "data")`` under
   ``jax.shard_map(..., axis_names={"data"})`` on a mesh with a second,
   automatic axis). The same bf16 payload is then all-gathered and summed in

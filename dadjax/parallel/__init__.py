@@ -19,7 +19,8 @@ from dadjax.parallel._losses import (
 from dadjax._core.collections import CollectionRule, register_rule
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
-from dadjax.parallel._layout import layer_axes_of, shard_dims
+from dadjax.parallel._layout import shard_dims
+from dadjax.parallel._scan_axes import layer_axes_of
 from dadjax.parallel._losses import softmax_cross_entropy
 from dadjax.parallel._make import make_train_step
 from dadjax.parallel._mesh import initialize, make_mesh

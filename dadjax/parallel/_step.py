@@ -23,7 +23,8 @@ from dadjax.parallel._checks import check_opt_state
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._rows import check_sites as _check_sites, local_sites as _local_sites
 from dadjax._core.layers import stacked_layers
-from dadjax.parallel._layout import layer_axes_of, unbox
+from dadjax.parallel._layout import unbox
+from dadjax.parallel._scan_axes import layer_axes_of
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
 from dadjax.stage import BatchStage
 
@@ -194,15 +195,11 @@ class TrainStep:
   def ledger_check(self, state: TrainState, batch: Any) -> dict:
     """Run one step and compare the program's collective bits with what its ledgers booked.
 
-    The check ``run`` does on the first step of each layout (on by default,
-    ``make_train_step(check_ledger=False)`` turns it off; ``vmap`` has no
-    collective ops to read): the operand bits of the step program's
-    collectives outside ``lax.cond`` (read from the lowered program: one
-    lowering, no second compilation) must not exceed the bits every ledger
-    of the state booked in that step (inter-site and in-site, per device).
-    The ledger may book more than the program text shows (ops in a loop body
-    appear once; a taken conditional branch), so a lower program count is
-    not an error.
+    The check ``run`` does on the first step of each layout (off with
+    ``make_train_step(check_ledger=False)``; ``vmap`` has no collective ops):
+    the operand bits of the lowered program's collectives outside
+    ``lax.cond`` must not exceed the bits every ledger booked in that step.
+    The ledger may book more (a loop body's ops appear once in the text).
 
     Returns:
       ``{"program_bits": unconditional, "program_bits_all": with conditional
@@ -235,20 +232,13 @@ class TrainStep:
                   sites: Sequence[int] | None = None):
     """The collective ops the compiled step runs, read from its optimized HLO.
 
-    Lowers and compiles the step once for these shapes and returns a
-    :class:`~dadjax.comm.CollectiveOps`: per kind, the op count and operand
-    bytes per site. Pass it to ``NetworkModel.step_time(summary, ops=...)``
-    to charge latency per compiled op. The count includes the step's own
-    metric all-reduces, and ops under ``lax.cond`` (both branches are
-    compiled; see ``conditional_count``). ``backend="vmap"`` simulates the
-    sites on one device: its program has no collective ops.
-
-    Args:
-      state: a train state (shapes only matter).
-      batch: a global batch (or the rows of ``sites``, as for :meth:`place_batch`).
-      link: ``None`` for every op; on a 2-D mesh ``"inter"`` keeps the ops
-        whose replica groups run along the site axis only, ``"intra"``
-        those within one site (:meth:`link_of`).
+    Compiles the step once and returns a :class:`~dadjax.comm.CollectiveOps`
+    (per kind: op count and operand bytes per site; pass it to
+    ``NetworkModel.step_time(summary, ops=...)``), including the step's
+    metric all-reduces and both branches of a ``lax.cond``
+    (``conditional_count``). ``link``: ``None`` for every op, ``"inter"`` /
+    ``"intra"`` for the ops along the site axis / within a site
+    (:meth:`link_of`). ``vmap`` programs have no collective ops.
     """
     return _collectives(self._run, self.placement, state, self.place_batch(batch, sites), link)
 
@@ -267,15 +257,10 @@ class TrainStep:
   def link_of(self, groups) -> str:
     """Which links a collective with these replica groups uses (shard_map backend).
 
-    Args:
-      groups: a :attr:`~dadjax.comm.CollectiveOp.groups` (logical device
-        ids = positions in ``mesh.devices.flat``).
-
-    Returns:
-      ``"intra"`` if every group lies within one site, ``"inter"`` if every
-      group holds one device per site position (it varies along the site
-      axis only), otherwise ``"mixed"``. On a 1-D mesh every collective
-      with more than one device is ``"inter"``.
+    ``groups`` is a :attr:`~dadjax.comm.CollectiveOp.groups`. Returns
+    ``"intra"`` if every group lies within one site, ``"inter"`` if every
+    group varies along the site axis only (always, on a 1-D mesh), else
+    ``"mixed"``.
     """
     return _link_of(self.placement, groups)
 
@@ -293,9 +278,8 @@ class TrainStep:
     return report.evaluation_params(opt_state, params)
 
   def metrics_row(self, state: TrainState) -> dict:
-    """The state's own metrics rows: every reporting node of the optimizer and
-    batch-stage states (:func:`dadjax._core.report.collect_rows`) and every
-    collection whose rule has a ``metrics_row``."""
+    """The rows of every reporting node of the optimizer and batch-stage states and of every
+    collection whose rule has a ``metrics_row`` (:func:`dadjax._core.report.collect_rows`)."""
     with stacked_layers(self.layer_axes):  # per-layer rows (Accordion's decisions) by layer
       row = report.collect_rows(state.opt_state, unstack_site(state.params, 0))
     row.update(report.collect_rows(state.stage_state))
@@ -309,9 +293,8 @@ class TrainStep:
     """Loss and metrics of one site's model on ``batch`` with ``train=False``.
 
     No communication: the site's parameters (:meth:`params`) and model state
-    (BatchNorm running averages) are applied to the whole ``batch`` on one
-    device. Returns a dict of host floats (``"loss"`` plus the metrics
-    function's).
+    are applied to the whole ``batch`` on one device. Returns host floats
+    (``"loss"`` plus the metrics function's).
     """
     out = self._eval(self.params(state, site), unstack_site(state.model_state, site), batch)
     return {k: float(v) for k, v in out.items()}
