@@ -34,11 +34,11 @@ from dadjax.compress import (
 )
 from dadjax.methods import build_method
 from dadjax._core.layers import per_layer, stacked_layers
-from dadjax._core.marks import after_local_state
+from dadjax._core.protocols import after_local_state
 from dadjax.parallel import (TrainState, TrainStep, initialize, make_mesh, make_train_step,
                              site_map)
 from dadjax.registry import Method, SpecError
-from dadjax.stage import BatchStage
+from dadjax._core.protocols import BatchStage
 
 __version__ = "0.5.0"
 

@@ -73,7 +73,7 @@ from dadjax.registry import (
     register_method,
     resolve,
 )
-from dadjax.stage import BatchStage, GradResult, StageContext, StageOutput
+from dadjax._core.protocols import BatchStage, GradResult, StageContext, StageOutput
 
 __all__ = [
     # registering methods

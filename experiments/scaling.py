@@ -52,7 +52,7 @@ from dadjax.comm import NetworkModel, comm_stats  # noqa: E402
 from dadjax.compress import get_compressor  # noqa: E402
 from dadjax.compress._two_phase import two_phase_bits  # noqa: E402
 from dadjax.config import Config  # noqa: E402
-from dadjax.demo import DEFAULT_METHODS  # noqa: E402
+from dadjax.run._demo import DEFAULT_METHODS  # noqa: E402
 from dadjax.train import build, train  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dadjax  # noqa: E402
-from dadjax.config import Config, _parse_value  # noqa: E402
+from dadjax.run._config import Config, _parse_value  # noqa: E402
 from dadjax.errors import DadjaxError, Stopped  # noqa: E402
 from dadjax.train import train  # noqa: E402
 from multihost_common import TRAIN_CONFIG  # noqa: E402
@@ -43,7 +43,7 @@ def main():
   transport_error = int(overrides.pop("transport_error", -1))
   armed = []  # process 0 logged step transport_error
   if transport_error >= 0 and process_id == 0:
-    import dadjax.train as train_module  # pylint: disable=g-import-not-at-top
+    import dadjax.run._loop as train_module  # pylint: disable=g-import-not-at-top
     host_array = train_module.host_array
 
     def failing_host_array(x):

@@ -19,7 +19,7 @@ from dadjax import dataquant as DQ
 from dadjax.comm import bits_to_int, hlo_collectives
 from dadjax.extend import packed_words
 from dadjax.models import MLP
-from dadjax.stage import GradResult, StageContext
+from dadjax.extend import GradResult, StageContext
 
 
 SITES, ROWS, DIM, CLASSES = 8, 8, 12, 3
@@ -125,7 +125,7 @@ def test_uniform_quantizer_exact_cases_and_bits():
   np.testing.assert_array_equal(DQ.dequantize_uniform(p, 2, 4, "sample"), x)  # levels / constant
   for bits, dim, scale in [(2, 12, "sample"), (3, 40, "feature"), (8, 5, "sample")]:
     p = DQ.quantize_uniform(jnp.ones((6, dim)), bits, jax.random.key(0), scale)
-    total = dadjax._tree_utils.tree_nbits(p)
+    total = dadjax._core.trees.tree_nbits(p)
     assert total == 6 * DQ.uniform_row_bits(dim, bits, scale) + DQ.uniform_header_bits(dim, scale)
   assert DQ.uniform_row_bits(12, 2, "sample") == 64 + 64
   assert DQ.uniform_row_bits(40, 3, "feature") == 32 * 6

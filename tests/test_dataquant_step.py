@@ -77,7 +77,7 @@ def test_metrics_are_of_the_site_rows_when_quantized_and_gated():
 def test_registry_specs_build_a_batch_stage_method(spec, expect):
   method = dadjax.build_method(spec)
   assert method.name == spec and method.tx is None and method.dense is None
-  assert isinstance(method.batch_stage, dadjax.stage.BatchStage)
+  assert isinstance(method.batch_stage, dadjax.BatchStage)
   entry, kwargs = registry.resolve("method", spec)
   assert entry.name == "dataquant" and entry.family == "dataquant"
   assert kwargs["bits"] == expect["bits"]

@@ -1,6 +1,6 @@
 """The main job: `dadjax demo` prints and writes the comparison table."""
 from dadjax import cli
-from dadjax.demo import DEFAULT_METHODS
+from dadjax.run._demo import DEFAULT_METHODS
 from dadjax.registry import split_specs
 
 
@@ -33,7 +33,7 @@ def test_cli_rows_and_demo_table_are_one_read_out(tmp_path):
 
   from dadjax.comm import NetworkModel, comm_stats
   from dadjax.config import Config
-  from dadjax.demo import format_table
+  from dadjax.run._demo import format_table
   from dadjax.train import train
   config = Config(steps=4, eval_every=4, num_sites=8, batch_per_site=4, method="topk:0.01",
                   model_kwargs={"hidden": [32]}, out_dir=str(tmp_path))

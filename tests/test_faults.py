@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from dadjax import cli
-from dadjax.checkpoint import FINGERPRINT_EXCLUDED, CheckpointDir, fingerprint, state_digest
+from dadjax.run._checkpoint import FINGERPRINT_EXCLUDED, CheckpointDir, fingerprint, state_digest
 from dadjax.config import Config, load_config
 from dadjax.errors import CheckpointError, ConfigError, DadjaxError, DivergenceError
 from dadjax.train import train
@@ -242,7 +242,7 @@ def test_nan_step_keeps_the_last_finite_checkpoint(tmp_path, capsys):
 def test_the_saved_state_is_checked_not_the_loss(tmp_path, monkeypatch):
   # Without the loss check, the state after a diverging update reaches the
   # save: it is refused there, and the finite checkpoint before it is kept.
-  monkeypatch.setattr("dadjax.train._check_finite", lambda *a, **k: None)
+  monkeypatch.setattr("dadjax.run._loop._check_finite", lambda *a, **k: None)
   ckpt = tmp_path / "ckpt"
   bad = Config(**{**SMALL, "lr": 1e35, "checkpoint_every": 1, "eval_every": 6},
                checkpoint_dir=str(ckpt))
@@ -495,7 +495,7 @@ def test_run_final_without_a_logged_row_is_a_clear_error():
 # DIR read-only before row N.
 CLI_WORKER = r"""
 import os, sys, time
-import dadjax._io as io
+import dadjax.run._metrics_file as io
 hooks = [h.split(":", 2) for h in sys.argv[1].split(",") if h]
 format_row = io.json_row
 done = set()
@@ -703,7 +703,7 @@ def test_bad_data_is_a_data_error_before_any_step(monkeypatch, changes, message)
   from dadjax.errors import DataError  # pylint: disable=g-import-not-at-top
   _digits_with(monkeypatch, **changes)
   calls = []
-  monkeypatch.setattr("dadjax.train.make_train_step",
+  monkeypatch.setattr("dadjax.run._loop.make_train_step",
                       lambda *a, **k: calls.append(1))  # never reached
   with pytest.raises(DataError) as info:
     train(Config(**SMALL), progress=False)

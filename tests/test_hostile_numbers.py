@@ -229,7 +229,7 @@ MIXED, TINY = [1e30, -1e30, 1e-30, -1e-30], [1e-30, -1e-30, 2e-30, 1e-30]
                  marks=pytest.mark.slow),
     pytest.param("rank_dad:2:two_way:warm:ef", MIXED, id="two-way-mixed", marks=pytest.mark.slow)])
 def test_rank_dad_on_huge_and_tiny_gradients(spec, weight):
-  from dadjax.checkpoint import state_digest
+  from dadjax.run._checkpoint import state_digest
   method = dadjax.build_method(spec, steps_per_epoch=2)
   model = HugeAndTiny(dense=method.dense)
   weight = jnp.asarray(weight, jnp.float32)

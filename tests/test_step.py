@@ -18,7 +18,7 @@ from dadjax.parallel import (
     stack_sites,
     unstack_site,
 )
-from dadjax.stage import BatchStage, GradResult, StageOutput
+from dadjax.extend import BatchStage, GradResult, StageOutput
 
 SITES = 4
 

@@ -18,13 +18,13 @@ import pytest
 
 import dadjax
 from dadjax import registry
-from dadjax._core.report import collect_rows, evaluation_params
+from dadjax._core.protocols import collect_rows, evaluation_params
 from dadjax.comm import (CommSummary, NetworkModel, comm_stats, host_array, ledger_init,
                          ledger_record, metered_pmean, tree_dense_bits)
 from dadjax.config import Config
 from dadjax.parallel import CollectionRule, register_rule
 from dadjax.registry import Method, register_method
-from dadjax.stage import BatchStage, StageOutput
+from dadjax.extend import BatchStage, StageOutput
 from dadjax.train import train
 
 SITES = 4

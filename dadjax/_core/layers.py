@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._tree_utils import leaf_path
+from dadjax._core.trees import leaf_path
 
 _ACTIVE: list[dict[str, int]] = []
 
@@ -38,7 +38,7 @@ def stacked_layers(axes: Mapping[str, int]) -> Iterator[None]:
   """Within this context, the leaves at these paths are stacks of layers.
 
   Args:
-    axes: ``{leaf path: layer axis}``, paths as :func:`dadjax._tree_utils.leaf_path`
+    axes: ``{leaf path: layer axis}``, paths as :func:`dadjax._core.trees.leaf_path`
       writes them (``"blocks/dense/kernel"``), e.g. from
       :func:`~dadjax.parallel.layer_axes_of`.
   """

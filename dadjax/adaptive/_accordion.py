@@ -30,7 +30,7 @@ import optax
 from dadjax._core.layers import per_layer, unstack
 from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
-from dadjax._tree_utils import path_names
+from dadjax._core.trees import path_names
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,

@@ -44,7 +44,7 @@ from dadjax._core.critical import lr_decreased as _lr_decreased
 from dadjax._core.shards import require_whole_leaves
 from dadjax._core.validate import check_int
 from dadjax._core.accumulate import accumulate_step
-from dadjax._tree_utils import tree_zeros_like
+from dadjax._core.trees import tree_zeros_like
 from dadjax.adaptive._detector import (
     DetectorState,
     check_window,

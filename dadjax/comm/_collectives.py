@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._tree_utils import SpecMemo, check_axis_name
+from dadjax._core.trees import SpecMemo, check_axis_name
 from dadjax.comm._ledger import CommStats, ledger_init, ledger_record, tree_dense_bits
 from dadjax.comm._metered import metered_pmean
 

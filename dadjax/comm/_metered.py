@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from dadjax._core.bits import Bits, as_bits, bits_add
 from dadjax._core.vma import vma
-from dadjax._tree_utils import tree_nbits
+from dadjax._core.trees import tree_nbits
 from dadjax.comm._sites import gather_sites
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from dadjax._core.keys import derive_key, derive_keys
 from dadjax._core.shards import current_leaf, shard_axes
-from dadjax._tree_utils import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
+from dadjax._core.trees import check_float_leaves, leaf_path, tree_cast_like, tree_nbits, tree_scale
 from dadjax.comm import (Bits, Traffic, axis_size, metered_all_gather, metered_psum,  # noqa: F401
                          site_index)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from dadjax._tree_utils import check_tree_matches, tree_add, tree_sub, tree_zeros_like
+from dadjax._core.trees import check_tree_matches, tree_add, tree_sub, tree_zeros_like
 from dadjax.compress._base import Compressor, Exchanged, as_keys, exchange
 from dadjax.registry import COMPRESSOR, Arg, register_compressor
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from dadjax._core.keys import derive_key, derive_keys
 from dadjax._core.validate import check_int
 from dadjax._core.linalg import orthogonalize
-from dadjax._tree_utils import check_float_leaves, leaf_path, tree_nbits
+from dadjax._core.trees import check_float_leaves, leaf_path, tree_nbits
 from dadjax.comm import Traffic, axis_size, metered_psum, traffic_add
 import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, Exchanged, Keys, as_keys

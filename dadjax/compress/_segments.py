@@ -39,7 +39,7 @@ from jax.extend.random import threefry2x32_p
 from dadjax._core.keys import derive_keys
 from dadjax._core.packing import WORD_BITS, pack_bits, unpack_bits
 from dadjax._core.shards import shard_axes
-from dadjax._tree_utils import leaf_path
+from dadjax._core.trees import leaf_path
 from dadjax.compress._base import as_keys
 
 # Whether quantizers use the one-buffer form when it applies (read at trace time).

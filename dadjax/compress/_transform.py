@@ -12,7 +12,7 @@ import optax
 from dadjax import registry
 from dadjax._core.layers import per_layer
 from dadjax._core.shards import require_whole_leaves
-from dadjax._tree_utils import SpecMemo, check_axis_name, check_float_leaves
+from dadjax._core.trees import SpecMemo, check_axis_name, check_float_leaves
 from dadjax.comm import CommStats, ledger_init, ledger_record, tree_dense_bits
 from dadjax.compress._base import Compressor, exchange, step_keys
 

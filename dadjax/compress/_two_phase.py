@@ -51,7 +51,7 @@ import numpy as np
 
 from dadjax._core.keys import derive_key
 from dadjax._core.packing import WORD_BITS, pack_bits, unpack_bits
-from dadjax._tree_utils import check_float_leaves, tree_nbits
+from dadjax._core.trees import check_float_leaves, tree_nbits
 from dadjax.comm import (NO_TRAFFIC, axis_size, metered_all_gather, metered_all_to_all,
                          site_index, traffic_add)
 from dadjax.compress._base import Compressor, Exchanged, as_keys, one_round_exchange

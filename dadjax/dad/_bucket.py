@@ -37,7 +37,7 @@ differentiates ``model.apply`` directly), it takes its own exact route, one
 gather of its own: the gradient is the same, only the bucket is smaller.
 The bucket is formed by the train step's differentiation
 (:func:`dadjax.parallel.grad_result`, through the collection's
-:class:`~dadjax._core.collections.CollectionRule` ``gradient``); layers record
+:class:`~dadjax._core.protocols.CollectionRule` ``gradient``); layers record
 themselves only while it traces.
 
 References:
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from dadjax._core.collections import CollectionRule, register_rule
+from dadjax._core.protocols import CollectionRule, register_rule
 from dadjax._core.vma import is_varying, to_varying, vma, vary_like
 from dadjax.comm import COMM_COLLECTION, bits_const, metered_all_gather, traffic_add
 from dadjax.dad._config import DadConfig

@@ -10,7 +10,7 @@ decisions through the rule's ``metrics_row`` (:func:`~dadjax.dad.accordion_rows`
 
 from __future__ import annotations
 
-from dadjax._core.collections import CollectionRule, register_rule
+from dadjax._core.protocols import CollectionRule, register_rule
 from dadjax.comm import STATE_COLLECTION
 from dadjax.dad._state import next_state
 from dadjax.dad._sync import accordion_rows

@@ -18,7 +18,7 @@ from dadjax import registry
 from dadjax.dad._config import DadConfig
 from dadjax.dad._dot_general import KERNEL_PARAM, DotGeneral
 from dadjax.dad._module import Dense
-from dadjax._tree_utils import path_names
+from dadjax._core.trees import path_names
 from dadjax.dad._sync import synchronize
 from dadjax.registry import Arg, ArgumentError, BuildContext, Method, register_method
 

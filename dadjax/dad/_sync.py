@@ -31,7 +31,7 @@ from dadjax.dad._dot_general import (KERNEL_PARAM, KERNEL_STATE_NAME, DotGeneral
                                      einsum_contraction)
 from dadjax.dad._module import Dense
 from dadjax.dad._state import STATE_NAME, init_state
-from dadjax._tree_utils import SpecMemo, check_axis_name, path_names
+from dadjax._core.trees import SpecMemo, check_axis_name, path_names
 
 MaskLike = Any | Callable[[Any], Any]
 
@@ -298,7 +298,7 @@ def _model_bits(model_comm: Any) -> tuple[Bits, Bits, int, int | None]:
 class SynchronizeState(NamedTuple):
   """State of :func:`synchronize`: the dAD ledger and ``other``'s state."""
 
-  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.marks)
+  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.protocols)
   comm: CommStats
   other: Any
 
@@ -394,7 +394,7 @@ def synchronize(
 
 
 class ModelLedgerState(NamedTuple):
-  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.marks)
+  BOOKS_MODEL_COMM = True  # books the dAD layers' own traffic (dadjax._core.protocols)
   comm: CommStats
 
 

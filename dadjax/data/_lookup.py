@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dadjax._core.imports import import_path
-from dadjax._datacheck import check_form
+from dadjax.data._checks import check_form
 from dadjax.data._embedded import Dataset
 from dadjax.data._tfds import load_tfds
 

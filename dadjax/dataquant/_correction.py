@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dadjax._tree_utils import tree_sub
-from dadjax.stage import GradResult
+from dadjax._core.trees import tree_sub
+from dadjax._core.protocols import GradResult
 
 
 def correction_term(grad_fn: Callable[[Any, Any], GradResult], params: Any, batch: dict,

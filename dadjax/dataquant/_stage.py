@@ -57,7 +57,7 @@ from dadjax._core.bits import (Bits, as_bits, bits_add, bits_const, bits_from_co
                                bits_zero)
 from dadjax._core.packing import code_bits
 from dadjax._core.validate import check_int
-from dadjax._tree_utils import tree_nbits, tree_zeros_like
+from dadjax._core.trees import tree_nbits, tree_zeros_like
 from dadjax.comm import (NO_TRAFFIC, Traffic, axis_size, bits_to_int, host_array,
                          metered_all_gather, traffic_add)
 from dadjax.compress import Compressor, Keys, exchange
@@ -70,7 +70,7 @@ from dadjax.dataquant._gate import (check_gate, check_score, grad_norm_scores, l
 from dadjax.dataquant._labels import check_num_classes, decode_labels, encode_labels
 from dadjax._core.quantize import (SCALE_BITS, check_bits, check_scale, dequantize_uniform,
                                        quantize_uniform)
-from dadjax.stage import BatchStage, GradResult, StageContext, StageOutput
+from dadjax._core.protocols import BatchStage, GradResult, StageContext, StageOutput
 
 QUANTIZERS = ("uniform", "codebook")
 

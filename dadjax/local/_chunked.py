@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dadjax._core.packing import code_bits, pack_bits, unpack_bits
-from dadjax._tree_utils import check_float_leaves, tree_nbits
+from dadjax._core.trees import check_float_leaves, tree_nbits
 from dadjax.compress import Compressor, EmptyState, topk
 from dadjax.local._dct import ChunkLayout, chunk_layout, from_chunks, to_chunks
 

@@ -26,7 +26,7 @@ import optax
 
 from dadjax._core.bits import as_bits
 from dadjax._core.vma import branch_matched_cond as typed_cond
-from dadjax._tree_utils import check_axis_name
+from dadjax._core.trees import check_axis_name
 from dadjax.comm import (AccumulateState, PeriodicStats, bits_add, bits_zero, find_comm_stats,
                          periodic_init, periodic_record, tree_dense_bits)
 from dadjax.compress import Compressor

@@ -16,7 +16,7 @@ from dadjax.parallel._losses import (
     squared_error_rows,
     stream_key,
 )
-from dadjax._core.collections import CollectionRule, register_rule
+from dadjax._core.protocols import CollectionRule, register_rule
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
 from dadjax.parallel._layout import shard_dims

@@ -1,7 +1,7 @@
 """Setups the train step refuses, because they would train silently with wrong numbers or semantics.
 
 Each refusal is a ``ValueError`` whose message names the fix. Communication
-is recognized generically (:mod:`dadjax._core.marks`): a transformation
+is recognized generically (:mod:`dadjax._core.protocols`): a transformation
 communicates when its state holds a bit ledger or declares ``COMMUNICATES``.
 
 * ``optax.MultiSteps`` around a communicating transformation: its inner
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._core.marks import ANY_POSITION, BOOKS_MODEL_COMM, COMMUNICATES, find_declared
+from dadjax._core.protocols import ANY_POSITION, BOOKS_MODEL_COMM, COMMUNICATES, find_declared
 from dadjax.comm import find_comm_stats
 
 def communicates(tree: Any) -> bool:

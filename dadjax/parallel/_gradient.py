@@ -1,8 +1,8 @@
 """One site's backward pass: the gradient, and the collections updated by their rules.
 
 Model state (the non-parameter collections, ``TrainState.model_state``) is
-updated by :class:`~dadjax._core.collections.CollectionRule` s looked up by
-collection name (:func:`~dadjax._core.collections.resolve_rules`): a family
+updated by :class:`~dadjax._core.protocols.CollectionRule` s looked up by
+collection name (:func:`~dadjax._core.protocols.resolve_rules`): a family
 registers the rules of the collections its layers create (the dAD family:
 ``"dad_state"``, differentiated and overwritten with its gradient), the
 step's ``mutable`` names are replaced by what the loss function's
@@ -21,10 +21,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.collections import get_rule, resolve_rules
+from dadjax._core.protocols import get_rule, resolve_rules
 from dadjax.comm import COMM_COLLECTION
 from dadjax.parallel._losses import MODEL_STATE, LossFn, _accepts_train
-from dadjax.stage import GradResult
+from dadjax._core.protocols import GradResult
 
 
 class LocalGradients(NamedTuple):

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dadjax._tree_utils import leaf_path
+from dadjax._core.trees import leaf_path
 
 Rules = Sequence[tuple[str, Any]]
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._core.collections import differentiated
+from dadjax._core.protocols import differentiated
 from dadjax.comm import COMM_COLLECTION
 
 MODEL_STATE = "model_state"
@@ -94,7 +94,7 @@ def model_loss(
   batch[input_key], train=train, rngs=..., mutable=...)`` (``train`` only
   when the module's ``__call__`` takes it). Every non-parameter collection
   in ``variables`` is passed as mutable, except those whose registered
-  :class:`~dadjax._core.collections.CollectionRule` differentiates them
+  :class:`~dadjax._core.protocols.CollectionRule` differentiates them
   (``"dad_state"``), plus ``"comm"`` (bits sown by dAD layers); the step
   keeps the ones it has a rule for. Each name in ``rng_streams`` gets ``stream_key(rng, name)``.
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dadjax._core.collections import CollectionRule, resolve_rules
+from dadjax._core.protocols import CollectionRule, resolve_rules
 from dadjax._core.layers import stacked_layers
 from dadjax.comm import COMM_COLLECTION
 from dadjax.parallel._gradient import _split_aux
@@ -45,7 +45,7 @@ from dadjax.parallel._losses import (LossFn, MetricsFn, classification_loss, com
 from dadjax.parallel._placement import placement_of
 from dadjax.parallel._program import Recipe, site_program
 from dadjax.parallel._step import DEFAULT_MUTABLE, TrainStep
-from dadjax.stage import BatchStage
+from dadjax._core.protocols import BatchStage
 
 
 def _check_names(name: str, names, reserved, allowed=None) -> tuple[str, ...]:
@@ -159,7 +159,7 @@ def make_train_step(
       the parameters' dtype.
     donate: donate the input state's buffers to the output.
     collections: ``{name: CollectionRule}`` adding to or overriding the
-      registered rules (:mod:`dadjax._core.collections`) for this step.
+      registered rules (:mod:`dadjax._core.protocols`) for this step.
     allow_local: train without a communicating transformation while
       ``num_sites > 1`` (the sites train apart, on purpose); default
       ``False`` refuses it.

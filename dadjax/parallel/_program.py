@@ -35,7 +35,7 @@ from dadjax.parallel._checks import check_model_comm, check_opt_state, unbound_a
 from dadjax.parallel._gradient import _split_aux, grad_result
 from dadjax.parallel._losses import LossFn, MetricsFn
 from dadjax.parallel._state import TrainState, site_keys
-from dadjax.stage import BatchStage, GradResult, StageContext
+from dadjax._core.protocols import BatchStage, GradResult, StageContext
 
 
 class Recipe(NamedTuple):

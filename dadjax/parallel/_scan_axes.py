@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from dadjax._tree_utils import leaf_path
+from dadjax._core.trees import leaf_path
 from dadjax.parallel._layout import _is_box
 
 

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import optax
 
-from dadjax._core import report
-from dadjax._core.collections import CollectionRule
+from dadjax._core import protocols
+from dadjax._core.protocols import CollectionRule
 from dadjax.comm import COMM_COLLECTION, host_array, ledger_init
 from dadjax.parallel._inspect import (booked_bits as _booked_bits, check_ledger as _check_ledger,
                                       collectives as _collectives, link_of as _link_of,
@@ -26,7 +26,7 @@ from dadjax._core.layers import stacked_layers
 from dadjax.parallel._layout import unbox
 from dadjax.parallel._scan_axes import layer_axes_of
 from dadjax.parallel._state import TAG_BASE, TrainState, key_data, stack_sites, unstack_site
-from dadjax.stage import BatchStage
+from dadjax._core.protocols import BatchStage
 
 DEFAULT_MUTABLE = ("batch_stats",)
 
@@ -268,21 +268,21 @@ class TrainStep:
     """One site's parameters to evaluate, as host arrays.
 
     The site's own parameters, unless a node of its optimizer state defines
-    ``evaluation_params`` (:func:`dadjax._core.report.evaluation_params`,
+    ``evaluation_params`` (:func:`dadjax._core.protocols.evaluation_params`,
     e.g. a synchronized anchor of a local-update method).
     """
     params = unstack_site(state.params, site)
-    if not report.has_evaluation_params(state.opt_state):
+    if not protocols.has_evaluation_params(state.opt_state):
       return params
     opt_state = jax.tree.map(lambda x: host_array(x)[site], state.opt_state)
-    return report.evaluation_params(opt_state, params)
+    return protocols.evaluation_params(opt_state, params)
 
   def metrics_row(self, state: TrainState) -> dict:
     """The rows of every reporting node of the optimizer and batch-stage states and of every
-    collection whose rule has a ``metrics_row`` (:func:`dadjax._core.report.collect_rows`)."""
+    collection whose rule has a ``metrics_row`` (:func:`dadjax._core.protocols.collect_rows`)."""
     with stacked_layers(self.layer_axes):  # per-layer rows (Accordion's decisions) by layer
-      row = report.collect_rows(state.opt_state, unstack_site(state.params, 0))
-    row.update(report.collect_rows(state.stage_state))
+      row = protocols.collect_rows(state.opt_state, unstack_site(state.params, 0))
+    row.update(protocols.collect_rows(state.stage_state))
     for name, value in dict(state.model_state or {}).items():
       rule = self.rules.get(name)
       if rule is not None and rule.metrics_row is not None:

@@ -75,7 +75,7 @@ class Method(NamedTuple):
       chain once per cycle); ``None`` leaves the chain as it is.
     collections: model-state collections with their own update rule, by
       collection name: ``{name: CollectionRule}`` (the rule type of
-      ``dadjax._core.collections``); the train loop hands them to
+      ``dadjax._core.protocols``); the train loop hands them to
       ``make_train_step(..., collections=...)``. Empty by default.
   """
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pathlib
 
-from dadjax.config import Config
-from dadjax.train import Run, train
+from dadjax.run._config import Config
+from dadjax.run._loop import Run, train
 
 # Method spec -> learning rate (SGD, momentum 0.9), each picked from the grid
 # {0.1, 0.03, 0.01, 0.003, 0.001} on this task. Sign methods need small

@@ -61,7 +61,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.path import step as step_lib
 
 from dadjax.comm import host_array
-from dadjax.config import Config
+from dadjax.run._config import Config
 from dadjax.errors import CheckpointError, DivergenceError
 from dadjax._core.procs import pid_alive
 
