@@ -13,6 +13,7 @@ running. The command line (``dadjax``: :func:`main`) and the demo
 * ``_signals`` / ``_peers``: stopping on a signal, a lost peer process;
 * ``_metrics_file``: the metrics file (JSON lines);
 * ``_optim``: optimizer and schedule specs (``adam(b1=0.9)``);
+* ``_targets``: :func:`to_target`, steps, bits and time to a target metric;
 * ``_cli`` / ``_demo``: the command line and the demo table.
 
 ``dadjax.train``, ``dadjax.config`` and ``dadjax.cli`` stay importable as
@@ -27,6 +28,7 @@ from dadjax.run._demo import DEFAULT_METHODS, format_table, run_demo
 from dadjax.run._loop import (Run, build, compiled_ops, evaluate, local_optimizer, make_optimizer,
                               make_schedule, state_rows, train)
 from dadjax.run._metrics_file import MetricsFile, json_row
+from dadjax.run._targets import Reached, higher_is_better, to_target
 
 __all__ = [
     "train", "build", "evaluate", "Run", "state_rows", "compiled_ops",
@@ -34,5 +36,6 @@ __all__ = [
     "Config", "load_config", "validate", "parse_lr_schedule",
     "CheckpointDir", "fingerprint", "state_digest", "truncate_metrics", "FINGERPRINT_EXCLUDED",
     "MetricsFile", "json_row",
+    "to_target", "Reached", "higher_is_better",
     "main", "describe_methods", "run_demo", "DEFAULT_METHODS", "format_table",
 ]

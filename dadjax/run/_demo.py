@@ -13,6 +13,7 @@ import pathlib
 
 from dadjax.run._config import Config
 from dadjax.run._loop import Run, train
+from dadjax.run._targets import to_target
 
 # Method spec -> learning rate (SGD, momentum 0.9), each picked from the grid
 # {0.1, 0.03, 0.01, 0.003, 0.001} on this task. Sign methods need small
@@ -36,14 +37,6 @@ DEFAULT_METHODS = {
 }
 
 
-def _to_target(run: Run, target: float):
-  """(steps, cumulative wire bits per site) at the first logged row reaching ``target``, else None."""
-  for row in run.history:
-    if row["test_accuracy"] >= target:
-      return row["step"], row["total_wire_bits"]
-  return None
-
-
 def format_table(runs: list[Run], target_accuracy: float = 0.8) -> str:
   """A markdown table of the runs: payload vs wire bits, baselines, cost to a target accuracy.
 
@@ -55,7 +48,7 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8) -> str:
   the same tensors (> 1: fewer bits on the wire), and the modeled
   communication time with latency charged per compiled op (the step's
   metric all-reduce included). The last columns are the cumulative wire
-  bits and the modeled time (steps x modeled time per step) to the first
+  bits and the modeled time (:func:`~dadjax.run.to_target`) to the first
   evaluation at ``target_accuracy`` ("-" when it is never reached).
   """
   config = runs[0].config
@@ -69,9 +62,9 @@ def format_table(runs: list[Run], target_accuracy: float = 0.8) -> str:
   fp32_row = bf16_row = None
   for run in runs:
     row = run.final
-    reached = _to_target(run, target_accuracy)
-    bits_to = f"{reached[1]:,.0f}" if reached else "-"
-    time_to = f"{reached[0] * row['modeled_comm_s_per_step']:.3f}" if reached else "-"
+    reached = to_target(run.history, "test_accuracy", target_accuracy)
+    bits_to = f"{reached.bits:,.0f}" if reached else "-"
+    time_to = f"{reached.seconds:.3f}" if reached else "-"
     lines.append(f"| {row['method']} | {run.config.lr:g} | {row['test_accuracy']:.3f} | "
                  f"{row['payload_bits_per_step']:,} | {row['wire_bits_per_step']:,.0f} | "
                  f"{row['wire_ratio_fp32']:.1f}x | {row['wire_ratio_bf16']:.2f}x | "
