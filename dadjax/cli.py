@@ -2,7 +2,7 @@
 
 import sys
 
-from dadjax.run._cli import describe_methods, main
+from dadjax.run import describe_methods, main
 
 __all__ = ["main", "describe_methods"]
 

@@ -1,5 +1,5 @@
 """A stable import path: :class:`Config` of the run layer (:mod:`dadjax.run`)."""
 
-from dadjax.run._config import Config, load_config, parse_lr_schedule, validate
+from dadjax.run import Config, load_config, parse_lr_schedule, validate
 
 __all__ = ["Config", "load_config", "validate", "parse_lr_schedule"]

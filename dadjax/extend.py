@@ -51,16 +51,13 @@ from dadjax._core.linalg import orthogonalize
 from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
 from dadjax._core.shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
                                  whole_max, whole_size, whole_sum)
-from dadjax.comm._ledger import (FP32_BITS, find_comm_stats, ledger_init, ledger_record,
-                                 tree_dense_bits)
-from dadjax.comm._metered import (NO_TRAFFIC, Traffic, metered_all_gather, metered_pmean,
-                                  metered_psum, traffic_add)
-from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
-from dadjax.compress._base import (Exchanged, Keys, as_keys, exchange, leafwise,
-                                   one_round_exchange, step_keys)
-from dadjax.compress._powersgd import PowerSGDPayload
-from dadjax.compress._quantize import QuantizedPayload
-from dadjax.compress._sparse import SparsePayload, largest_magnitude_indices
+from dadjax.comm import (FP32_BITS, NO_TRAFFIC, Traffic, axis_size, find_comm_stats,
+                         gather_sites, ledger_init, ledger_record, mean_over_sites,
+                         metered_all_gather, metered_pmean, metered_psum, site_index,
+                         sum_over_sites, traffic_add, tree_dense_bits)
+from dadjax.compress import (Exchanged, Keys, PowerSGDPayload, QuantizedPayload, SparsePayload,
+                             as_keys, exchange, largest_magnitude_indices, leafwise,
+                             one_round_exchange, step_keys)
 from dadjax.dad import Factors, current_state, factorize, layer_bits, layer_route, product_route
 from dadjax.registry import (
     COMPRESSOR,

@@ -1,6 +1,6 @@
 """A stable import path: :func:`train` and :func:`build` of the run layer (:mod:`dadjax.run`)."""
 
-from dadjax.run._loop import (Run, build, compiled_ops, evaluate, local_optimizer, make_optimizer,
+from dadjax.run import (Run, build, compiled_ops, evaluate, local_optimizer, make_optimizer,
                               make_schedule, state_rows, train)
 
 __all__ = ["train", "build", "evaluate", "Run", "state_rows", "compiled_ops", "make_optimizer",

@@ -13,10 +13,10 @@
   optimizer step;
 * variance typing under ``shard_map`` and the shared collection names.
 
-Besides ``__all__`` this face carries the mechanics the method families
-build on (bit counts, the metered collectives, the sites' axis, the
-ledger's recording helpers and the collection names); people writing a
-method outside dadjax find them, with a stability promise, in
+The end of ``__all__`` lists the mechanics the method families build on
+(bit counts, the metered collectives, the sites' axis, the ledger's
+recording helpers and the collection names); people writing a method
+outside dadjax find them, with a stability promise, in
 :mod:`dadjax.extend`.
 """
 
@@ -59,7 +59,7 @@ from dadjax.comm._metered import (
     metered_psum,
     traffic_add,
 )
-from dadjax.comm._sites import axis_size, site_index
+from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
 from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.comm._wire import TOPOLOGIES, wire_bits
 
@@ -89,4 +89,11 @@ __all__ = [
     "compiled_intra",
     "Report",
     "gradient_baseline",
+    # the mechanics the method families build on (stable for outside authors via dadjax.extend)
+    "Bits", "bits_add", "bits_const", "bits_from_count", "bits_reduce", "bits_to_int", "bits_zero",
+    "host_array", "Traffic", "NO_TRAFFIC", "traffic_add", "metered_psum", "metered_pmean",
+    "metered_all_gather", "metered_all_to_all", "axis_size", "site_index", "gather_sites",
+    "mean_over_sites", "sum_over_sites", "find_comm_stats",
+    "ledger_init", "ledger_record", "periodic_init", "periodic_record", "tree_dense_bits",
+    "COMM_COLLECTION", "STATE_COLLECTION",
 ]

@@ -6,21 +6,18 @@ Every compressor is also registered by name (``get_compressor("ef_topk:0.01")``,
 helpers for writing new compressors are in :mod:`dadjax.extend`.
 """
 
-from dadjax.compress._base import (Compressor, EmptyState, Keys, exchange, grouping, leaf_keys,
-                                 step_keys)
+from dadjax.compress._base import (Compressor, EmptyState, Exchanged, Keys, as_keys, exchange,
+                                 grouping, leaf_keys, leafwise, one_round_exchange, step_keys)
 from dadjax.compress._cast import cast, identity
 from dadjax.compress._error_feedback import ErrorFeedbackState, error_feedback
-from dadjax.compress._powersgd import PowerSGDState, powersgd
-from dadjax.compress._quantize import qsgd, quantize, scaled_sign, sign, terngrad
-from dadjax.compress._sparse import randomk, topk
+from dadjax.compress._powersgd import PowerSGDPayload, PowerSGDState, powersgd
+from dadjax.compress._quantize import QuantizedPayload, qsgd, quantize, scaled_sign, sign, terngrad
+from dadjax.compress._sparse import SparsePayload, largest_magnitude_indices, randomk, topk
 from dadjax.compress._two_phase import (ROUTES, Codec, chosen_route, route_wire_bits,
                                         two_phase)
 from dadjax.compress._transform import CompressedState, compressed, shardable_compressors
 from dadjax.registry import get_compressor
 
-# Besides __all__, the face carries what other families build on: the step's
-# Keys (step_keys, leaf_keys), exchange and the list of shardable compressors.
-# dadjax.extend documents the first three.
 __all__ = [
     "Compressor",
     "EmptyState",
@@ -45,4 +42,8 @@ __all__ = [
     "PowerSGDState",
     "error_feedback",
     "ErrorFeedbackState",
+    # what other families build on: the step's keys, the exchange, shape grouping, payloads
+    "Keys", "as_keys", "step_keys", "leaf_keys", "Exchanged", "exchange", "one_round_exchange",
+    "leafwise", "grouping", "shardable_compressors", "PowerSGDPayload", "QuantizedPayload",
+    "SparsePayload", "largest_magnitude_indices",
 ]

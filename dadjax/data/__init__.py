@@ -15,11 +15,13 @@ from dadjax.data._text import (
   text_windows,
 )
 from dadjax.data._tfds import load_tfds, tokenize
+from dadjax.data._checks import check_dataset
 from dadjax.data._grain import (ArrayRecordSource, ArraySource, SitePipeline, TextSource,
                                TfdsSource, grain_pipeline, process_sites, text_source,
                                write_array_record)
 
 __all__ = [
+    "check_dataset",
   "Dataset",
   "load",
   "load_digits",

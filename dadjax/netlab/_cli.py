@@ -33,7 +33,7 @@ def add_parser(sub, debug_flag) -> None:
 
 
 def _netlab(args: argparse.Namespace) -> int:
-  from dadjax.run._config import load_config  # pylint: disable=g-import-not-at-top
+  from dadjax.run import load_config  # pylint: disable=g-import-not-at-top
   from dadjax.errors import DadjaxError  # pylint: disable=g-import-not-at-top
   from dadjax.netlab import Lab, run_in_lab  # pylint: disable=g-import-not-at-top
   config = load_config(args.config, args.overrides).replace(num_sites=args.sites)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dadjax.comm._cost import NetworkModel, TransportFit
-from dadjax.comm._hlo import CollectiveOps, hlo_collectives
-from dadjax.comm._ledger import CommSummary
+from dadjax.comm import CollectiveOps, CommSummary, NetworkModel, TransportFit, hlo_collectives
 
 
 def collective_operands(hlo_text: str) -> dict:

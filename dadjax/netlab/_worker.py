@@ -48,7 +48,7 @@ def _local_step(config, dataset, steps_per_epoch):
   """
   from dadjax import make_mesh, make_train_step, models  # pylint: disable=g-import-not-at-top
   from dadjax.methods import build_method  # pylint: disable=g-import-not-at-top
-  from dadjax.run._loop import local_optimizer, make_schedule  # pylint: disable=g-import-not-at-top
+  from dadjax.run import local_optimizer, make_schedule  # pylint: disable=g-import-not-at-top
   one = config.replace(num_sites=1)
   schedule = make_schedule(one)
   method = build_method(one.method, axis_name="data", seed=one.seed,
@@ -116,7 +116,7 @@ def _one_run(config, run, rank, params_path):
   A run with the same config as the previous one reuses its compiled step
   (a fresh state: the same training, no second compile).
   """
-  from dadjax.run._loop import build, evaluate  # pylint: disable=g-import-not-at-top
+  from dadjax.run import build, evaluate  # pylint: disable=g-import-not-at-top
   key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
   if key not in _BUILT:
     _BUILT.clear()
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   spec = json.loads(open(argv[0]).read())
   import dadjax  # pylint: disable=g-import-not-at-top
-  from dadjax.run._config import Config  # pylint: disable=g-import-not-at-top
+  from dadjax.run import Config  # pylint: disable=g-import-not-at-top
   from dadjax.netlab._run import wait_phase  # pylint: disable=g-import-not-at-top
   n, rank = spec["num_processes"], spec["process_id"]
   dadjax.initialize(spec["coordinator"], num_processes=n, process_id=rank,

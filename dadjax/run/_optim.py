@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 from dadjax.errors import ConfigError
 from dadjax.registry import SpecError, parse_spec
-from dadjax.registry._grammar import Spec
+from dadjax.registry import Spec
 
 SCHEDULE_FORMS = ("'constant', 'step:FACTOR:S1[:S2...]' (e.g. 'step:0.1:150:250') or an optax "
                   "schedule such as 'warmup_cosine_decay_schedule(init_value=0, peak_value=0.1, "
