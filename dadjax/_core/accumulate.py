@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from dadjax._core.vma import branch_matched_cond
 
+__all__ = ["Accumulated", "accumulate_step"]
+
 
 class Accumulated(NamedTuple):
   """One micro-step's result.

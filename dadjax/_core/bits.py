@@ -19,6 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "MAX_BITS", "Bits", "bits_const", "bits_zero", "bits_add", "bits_sum", "bits_from_count",
+    "host_array", "bits_to_int", "bits_reduce", "tree_bits", "as_bits"
+]
+
 _WORD = 1 << 32
 _HALF = 1 << 16
 MAX_BITS = (1 << 64) - 1

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+__all__ = ["is_critical", "lr_decreased"]
+
 
 def is_critical(old_norm: jax.Array, new_norm: jax.Array, eta: float) -> jax.Array:
   """Accordion's rule: ``|old - new| / old >= eta``; a zero ``old`` is critical.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+__all__ = ["import_path"]
+
 
 def import_path(path: str, what: str) -> Any:
   """The object at ``path`` (``"pkg.mod:Name"`` or ``"pkg.mod:Outer.inner"``).

@@ -44,6 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "tag", "step_tag", "fold", "derive_key", "derive_keys", "stream_key", "layer_seed",
+    "seed_step_key", "start_key", "hash_uniform", "hash_unit"
+]
+
 _MASK = 0x7FFFFFFF
 
 

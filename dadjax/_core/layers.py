@@ -30,6 +30,8 @@ import optax
 
 from dadjax._core.trees import leaf_path
 
+__all__ = ["stacked_layers", "active_axes", "unstack", "restack", "per_layer"]
+
 _ACTIVE: list[dict[str, int]] = []
 
 

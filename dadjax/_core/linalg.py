@@ -18,6 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "safe_norm", "pow2_unit", "pow2_scale", "tree_safe_norm", "project_out", "orthogonalize"
+]
+
 
 def safe_norm(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
   """Euclidean norm along ``axis`` without underflow or overflow of the squares.

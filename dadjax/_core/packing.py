@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["WORD_BITS", "code_bits", "packed_words", "pack_bits", "unpack_bits"]
+
 WORD_BITS = 32
 
 

@@ -2,6 +2,8 @@
 
 import os
 
+__all__ = ["pid_alive"]
+
 
 def pid_alive(pid: int) -> bool:
   """Whether process ``pid`` exists (a process of another user counts as alive)."""

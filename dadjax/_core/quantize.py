@@ -33,6 +33,11 @@ import jax.numpy as jnp
 
 from dadjax._core.packing import pack_bits, packed_words, unpack_bits
 
+__all__ = [
+    "SCALES", "MAX_BITS", "SCALE_BITS", "UniformPayload", "check_bits", "check_scale",
+    "uniform_row_bits", "uniform_header_bits", "quantize_uniform", "dequantize_uniform"
+]
+
 SCALES = ("sample", "feature")
 MAX_BITS = 8
 SCALE_BITS = 2 * 32  # fp32 offset and step of one scale group

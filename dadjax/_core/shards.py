@@ -147,5 +147,5 @@ def require_whole_leaves(method: str, supported: Callable[[], list[str]] | None 
 
 
 __all__ = ["LeafShard", "current_leaf", "leaf_shard", "require_whole_leaves",
-           "shard_axes", "sharded_parameters", "slice_uniform", "whole_max", "whole_size",
+           "shard_axes", "sharded_parameters", "slice_uniform", "threefry_unit", "whole_max", "whole_size",
            "whole_sum"]

@@ -18,6 +18,12 @@ import numpy as np
 
 from dadjax._core.shards import shard_axes
 
+__all__ = [
+    "tree_add", "tree_sub", "tree_scale", "tree_zeros_like", "tree_cast_like", "tree_num_leaves",
+    "tree_nbits", "path_names", "leaf_path", "TreeSpec", "tree_spec", "spec_mismatch",
+    "check_tree_matches", "SpecMemo", "check_float_leaves", "check_axis_name"
+]
+
 
 def tree_add(a: Any, b: Any) -> Any:
   """Leafwise ``a + b``."""

@@ -14,6 +14,11 @@ import numbers
 import re
 from typing import NamedTuple
 
+__all__ = [
+    "Interval", "parse_interval", "in_interval", "is_int", "is_real", "check_int", "check_ratio",
+    "check_real", "check_choice"
+]
+
 _INTERVAL = re.compile(r"([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])\Z")
 
 

@@ -15,6 +15,11 @@ from typing import Any, Callable, Iterable
 
 import jax
 
+__all__ = [
+    "struct_vma", "vma", "is_varying", "tree_vma", "to_varying", "tree_to_varying", "vary_like",
+    "tree_to_vmas", "cond", "branch_matched_cond"
+]
+
 
 def struct_vma(aval: Any) -> frozenset:
   """Mesh axes an abstract value (``jax.typeof(x)``, a ``ShapeDtypeStruct``) varies along."""
