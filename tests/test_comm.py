@@ -164,17 +164,20 @@ def _summary(reduce=1000, gather=500, dense=3200, reduce_calls=2, gather_calls=1
                             reduce_calls, gather_calls, 1, 1)
 
 
-def test_comm_summary_wire_bits_ratios_and_baselines():
+def test_comm_summary_wire_bits_and_the_report_s_ratios():
   s = _summary()
   assert s.wire_bits(4, "ring") == 1500 + 1500
   assert s.fp32_wire_bits(4, "ring") == 4800 and s.bf16_wire_bits(4, "ring") == 2400
-  assert s.wire_ratio(4, "ring") == pytest.approx(1.6)
-  assert s.wire_ratio(4, "ring", "bf16") == pytest.approx(0.8)
   assert s.wire_bits(4, "ps") == 2000 + 2000
   assert s.compression_ratio == pytest.approx(3200 / 1500)  # the payload ratio
-  assert "ring, N=4" in s.headline(4)
+  # the ratios are the report's only (the ledger keeps counts)
+  assert not hasattr(s, "wire_ratio") and not hasattr(s, "headline")
+  at4 = dadjax.comm.report(s, dadjax.NetworkModel(num_sites=4))
+  assert at4.setting == "ring, N=4" and at4.wire_ratio_fp32 == pytest.approx(1.6)
+  assert at4.wire_ratio_bf16 == pytest.approx(0.8)
+  assert at4.dense_bits_per_step == 3200 and at4.step_bits_per_step == 0  # not a train state
   # An all-gather's wire bits grow with N: at N = 64 the method sends more than fp32.
-  assert s.wire_ratio(64, "ring") < 1
+  assert dadjax.comm.report(s, dadjax.NetworkModel(num_sites=64)).wire_ratio_fp32 < 1
 
 
 def test_step_time_charges_latency_per_compiled_op():

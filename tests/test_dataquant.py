@@ -310,7 +310,7 @@ def test_ledger_bits_equal_the_hand_formula(cfg):
   assert per_site(traffic.gather) == [padded] * SITES and per_site(traffic.reduce) == [0] * SITES
   assert per_site(traffic.gather_calls) == [1] * SITES
   sent = np.asarray(state.sent_rows)
-  assert list(bits_to_int(state.wire_bits)) == [padded] * SITES
+  assert list(bits_to_int(state.padded_bits)) == [padded] * SITES
   assert list(bits_to_int(state.useful_bits)) == [useful(int(n)) for n in sent]
   if "gate" in kwargs:
     assert sent.min() < ROWS  # some rows were actually held back
@@ -369,7 +369,7 @@ def test_compiled_all_gather_moves_the_padded_payload(kwargs):
   moved = hlo_collectives(compiled.as_text()).nbytes
   grads, new_state = compiled(stacked(params), batch, state, key)
   assert moved["reduce"] == 0
-  assert 8 * moved["gather"] == bits_to_int(new_state.wire_bits)[0]
+  assert 8 * moved["gather"] == bits_to_int(new_state.padded_bits)[0]
   # the same numbers as the vmap-simulated sites
   result, vstate, _ = run_sites(stage, params, batch, state, key)
   assert_tree_close(grads, result.grads, atol=1e-6)

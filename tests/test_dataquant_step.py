@@ -110,7 +110,7 @@ def test_training_rows_report_stage_bits_and_compute():
   row = result.final
   stats = dadjax.comm_stats(result.state)
   stage = result.state.stage_state
-  wire = bits_to_int(stage.wire_bits)
+  wire = bits_to_int(stage.padded_bits)
   useful = bits_to_int(stage.useful_bits)
   # the ledger holds the stage's padded all-gather plus the metrics' pmean (2 fp32 scalars)
   assert list(stats.gather_bits) == wire
@@ -119,7 +119,7 @@ def test_training_rows_report_stage_bits_and_compute():
   n_params = sum(x.size for x in jax.tree.leaves(result.params))
   assert row["dense_bits_per_step"] == 32 * n_params  # the all-reduce the stage replaces
   assert row["payload_ratio"] == pytest.approx(32 * n_params / (max(wire) + 64))
-  assert row["stage_wire_bits_per_step"] == max(wire)
+  assert row["stage_padded_bits_per_step"] == max(wire)
   assert row["useful_bits_per_step"] == max(useful) < max(wire)
   assert row["backward_rows_per_step"] == 8 * 8  # N R rows of the shared pass, loss scores only
   # the padded payload: every row's packed 2-bit codes + a 64-bit range, the 4-bit labels

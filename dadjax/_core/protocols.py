@@ -298,8 +298,36 @@ def _takes_params(fn) -> bool:
              for p in sig.parameters.values())
 
 
+def merge_rows(*named_rows: tuple[str, Mapping[str, Any]]) -> dict:
+  """One metrics row from the rows of several sources; no source overwrites another.
+
+  Args:
+    *named_rows: ``(source, row)`` pairs, ``source`` a name for messages
+      (e.g. ``"report"``, ``"AccordionState.metrics_row"``), ``row`` a
+      mapping of column to value.
+
+  Returns:
+    A new dict with every column, in the order given.
+
+  Raises:
+    ValueError: two sources give the same column; the message names the
+      column and both sources.
+  """
+  row: dict = {}
+  owner: dict[str, str] = {}
+  for source, part in named_rows:
+    for key, value in part.items():
+      if key in owner:
+        raise ValueError(
+            f"metrics row column {key!r} comes from both {owner[key]} and {source}; one would "
+            "overwrite the other: rename one of them")
+      owner[key] = source
+      row[key] = value
+  return row
+
+
 def collect_rows(tree: Any, params: Any = None) -> dict:
-  """The merged ``metrics_row`` of every reporting node of ``tree``.
+  """The merged ``metrics_row`` of every reporting node of ``tree`` (:func:`merge_rows`).
 
   Args:
     tree: any state pytree (optimizer state, batch-stage state), stacked
@@ -308,12 +336,16 @@ def collect_rows(tree: Any, params: Any = None) -> dict:
 
   Returns:
     A dict of host values (empty when no node reports).
+
+  Raises:
+    ValueError: two nodes report the same column.
   """
-  row: dict = {}
-  for node in nodes(tree, "metrics_row"):
+  named = []
+  for i, node in enumerate(nodes(tree, "metrics_row")):
     fn = node.metrics_row
-    row.update(fn(params) if _takes_params(fn) else fn())
-  return row
+    named.append((f"{type(node).__name__}.metrics_row (node {i})",
+                  fn(params) if _takes_params(fn) else fn()))
+  return merge_rows(*named)
 
 
 def has_evaluation_params(opt_state: Any) -> bool:

@@ -231,7 +231,9 @@ class CommSummary:
 
   Payload bits are what a site hands to collectives; wire bits
   (:meth:`wire_bits`) are what the topology moves for them
-  (:mod:`dadjax.comm._wire`).
+  (:mod:`dadjax.comm._wire`). These are the ledger's counts and their
+  conversion to wire bits; ratios, baselines and modeled times, every
+  number a user reads, come from :func:`~dadjax.comm.report`.
 
   A :class:`PeriodicStats` ledger (a method that communicates on some
   steps only) contributes its mean per optimizer step to the per-step
@@ -323,7 +325,7 @@ class CommSummary:
     """fp32 payload bits over sent payload bits, cumulative (the last step if nothing is sent yet).
 
     A payload ratio: it counts all-gather and all-reduce payloads alike.
-    For what the network moves use :meth:`wire_ratio`.
+    For what the network moves read :func:`~dadjax.comm.report` (its wire ratios).
     """
     sent, dense = self.total, self.total_dense
     if sent == 0:
@@ -350,28 +352,6 @@ class CommSummary:
   def bf16_wire_bits(self, num_sites: int, topology: str = "ring") -> float:
     """Wire bits per site of a bf16 all-reduce of the same tensors (the second baseline)."""
     return wire_bits("reduce", self.dense_bits_per_step // FP32_BITS * 16, num_sites, topology)
-
-  def wire_ratio(self, num_sites: int, topology: str = "ring", baseline: str = "fp32") -> float:
-    """Baseline all-reduce wire bits over this method's wire bits (> 1: the method sends less).
-
-    Args:
-      num_sites: ``N`` the ratio is stated for (it depends on it: an
-        all-gather's wire bits grow with ``N``, an all-reduce's do not).
-      topology: ``"ring"`` or ``"ps"``.
-      baseline: ``"fp32"`` or ``"bf16"`` all-reduce.
-    """
-    if baseline not in ("fp32", "bf16"):
-      raise ValueError(f"baseline must be 'fp32' or 'bf16', got {baseline!r}")
-    base = (self.fp32_wire_bits if baseline == "fp32" else self.bf16_wire_bits)(num_sites, topology)
-    sent = self.wire_bits(num_sites, topology)
-    if sent == 0:
-      return float("inf") if base else 1.0
-    return base / sent
-
-  def headline(self, num_sites: int, topology: str = "ring") -> str:
-    """The wire-based ratio with the topology and N it holds for, e.g. ``"12.3x (ring, N=8)"``."""
-    ratio = self.wire_ratio(num_sites, topology)
-    return f"{ratio:.3g}x vs fp32 all-reduce ({topology}, N={num_sites})"
 
 
 def _per_site(b: Bits) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from dadjax.comm._ledger import FP32_BITS, CommSummary, comm_stats
+from dadjax.comm._ledger import FP32_BITS, CommSummary, comm_stats, find_comm_stats
 
 
 class Report(NamedTuple):
@@ -58,6 +58,12 @@ class Report(NamedTuple):
       (equal to the mean figures unless a method communicates on some steps
       only: local updates, whose synchronization step is where a slow link
       stalls; :meth:`~dadjax.comm.NetworkModel.peak_step_time`).
+    dense_bits_per_step: payload bits of an fp32 all-reduce of the same
+      tensors (what a site would hand to collectives without the method).
+    step_bits_per_step: the payload bits of the train step's own ledger
+      (``TrainState.comm``: a batch stage, averaged collections, the
+      metrics' all-reduce), included in ``payload_bits_per_step``; 0 when
+      ``state`` is not a train state.
   """
 
   setting: str
@@ -82,10 +88,12 @@ class Report(NamedTuple):
   latency_per: str
   peak_payload_bits_per_step: int = 0
   peak_comm_s_per_step: float = 0.0
+  dense_bits_per_step: int = 0
+  step_bits_per_step: int = 0
 
   def row(self) -> dict:
-    """The columns of a ``metrics.jsonl`` row (JSON-ready)."""
-    return {k: v for k, v in self._asdict().items()}
+    """The columns of a ``metrics.jsonl`` row (JSON-ready): every field, by its name."""
+    return dict(self._asdict())
 
 
 _DTYPE_NAMES = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16"}
@@ -135,6 +143,14 @@ def compiled_intra(summary: CommSummary, intra_ops: Any) -> CommSummary:
       intra_gather_bits=(8 * sum(v for k, v in nbytes.items() if k not in reduce_kinds),),
       intra_reduce_calls=sum(count.get(k, 0) for k in reduce_kinds),
       intra_gather_calls=sum(v for k, v in count.items() if k not in reduce_kinds))
+
+
+def _step_bits(state: Any) -> int:
+  """Payload bits per step of a train state's own ledger (``state.comm``); 0 for other states."""
+  comm = getattr(state, "comm", None)
+  if not hasattr(state, "opt_state") or not find_comm_stats(comm):
+    return 0
+  return comm_stats(comm).bits_per_step
 
 
 def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step: Any = None,
@@ -204,6 +220,8 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
       latency_per="compiled op" if ops is not None else "recorded call",
       peak_payload_bits_per_step=summary.peak_bits_per_step,
       peak_comm_s_per_step=inter.peak_step_time(summary, ops) + intra_s,
+      dense_bits_per_step=summary.dense_bits_per_step,
+      step_bits_per_step=_step_bits(state),
   )
 
 

@@ -32,7 +32,7 @@ compares like with like and the reported loss is the site's training loss
 as under all-reduce.
 
 Cost, reported in :class:`DataQuantState`: the payload the compiled
-all-gather moves is padded to ``R`` rows (``Traffic``, ``wire_bits``); the
+all-gather moves is padded to ``R`` rows (``Traffic``, ``padded_bits``); the
 bits of the rows actually sent are ``useful_bits`` (traced). Compute is
 ``N R`` rows in the shared backward pass, plus ``2 R`` for the correction
 (true and quantized rows) and ``R`` single-row backward passes for the
@@ -89,7 +89,7 @@ class DataQuantState(NamedTuple):
     useful_bits: :class:`~dadjax.comm.Bits`, the last step's payload of the
       rows actually sent (and headers, labels, weights, count, codebook
       broadcast, correction).
-    wire_bits: :class:`~dadjax.comm.Bits`, the last step's payload as the
+    padded_bits: :class:`~dadjax.comm.Bits`, the last step's payload as the
       compiled collectives move it (rows padded to the batch size); the sum
       of the returned ``Traffic``.
     backward_rows: int32, rows through a backward pass on this site in the
@@ -102,7 +102,7 @@ class DataQuantState(NamedTuple):
   codebook_ready: jax.Array
   sent_rows: jax.Array
   useful_bits: Bits
-  wire_bits: Bits
+  padded_bits: Bits
   backward_rows: jax.Array
   correction_active: jax.Array
 
@@ -110,11 +110,15 @@ class DataQuantState(NamedTuple):
     """The last step's costs (largest site) for the train loop's rows.
 
     ``useful_bits_per_step``: the bits of what was actually sent (gated
-    rows); ``stage_wire_bits_per_step``: what its compiled collectives move
-    (padded); ``backward_rows_per_step``: rows through a backward pass.
+    rows); ``stage_padded_bits_per_step``: the payload its compiled
+    collectives move (rows padded; payload, not wire bits: those are
+    :func:`~dadjax.comm.report`'s); ``backward_rows_per_step``: rows
+    through a backward pass.
     """
-    return {"useful_bits_per_step": max(np.atleast_1d(bits_to_int(self.useful_bits)).tolist()),
-            "stage_wire_bits_per_step": max(np.atleast_1d(bits_to_int(self.wire_bits)).tolist()),
+    def largest(b):  # the largest site's
+      return max(np.atleast_1d(bits_to_int(b)).tolist())
+    return {"useful_bits_per_step": largest(self.useful_bits),
+            "stage_padded_bits_per_step": largest(self.padded_bits),
             "backward_rows_per_step": int(np.max(host_array(self.backward_rows)))}
 
 
@@ -218,7 +222,7 @@ def dataquant(
         correction=correction.init(params) if correction is not None else (),
         codebook=jnp.zeros((1 << bits, block), jnp.float32) if quantizer == "codebook" else (),
         codebook_ready=jnp.asarray(quantizer != "codebook"),
-        sent_rows=jnp.int32(0), useful_bits=z, wire_bits=z,
+        sent_rows=jnp.int32(0), useful_bits=z, padded_bits=z,
         backward_rows=jnp.int32(0), correction_active=jnp.asarray(False))
 
   def scores_of(ctx, params, batch):
@@ -392,10 +396,10 @@ def dataquant(
     if quantizer == "codebook":
       useful = bits_add(useful, _where_bits(~state.codebook_ready, cb_static))
     useful = bits_add(useful, corr_useful)
-    wire_bits = bits_add(as_bits(traffic.reduce), as_bits(traffic.gather))
+    padded_bits = bits_add(as_bits(traffic.reduce), as_bits(traffic.gather))
     new_state = DataQuantState(
         correction=corr_state, codebook=codebook, codebook_ready=ready,
-        sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, wire_bits=wire_bits,
+        sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, padded_bits=padded_bits,
         backward_rows=jnp.asarray(backward, jnp.int32), correction_active=active)
     # 7. What the step reports: loss and aux of this site's own rows, exact inputs.
     site_loss, site_aux = ctx.loss_fn(params, batch)

@@ -281,13 +281,13 @@ class TrainStep:
     """The rows of every reporting node of the optimizer and batch-stage states and of every
     collection whose rule has a ``metrics_row`` (:func:`dadjax._core.protocols.collect_rows`)."""
     with stacked_layers(self.layer_axes):  # per-layer rows (Accordion's decisions) by layer
-      row = protocols.collect_rows(state.opt_state, unstack_site(state.params, 0))
-    row.update(protocols.collect_rows(state.stage_state))
-    for name, value in dict(state.model_state or {}).items():
-      rule = self.rules.get(name)
-      if rule is not None and rule.metrics_row is not None:
-        row.update(rule.metrics_row(value))
-    return row
+      opt_row = protocols.collect_rows(state.opt_state, unstack_site(state.params, 0))
+    named = [("the optimizer state", opt_row),
+             ("the batch stage's state", protocols.collect_rows(state.stage_state))]
+    named += [(f"the {name!r} collection's rule", self.rules[name].metrics_row(value))
+              for name, value in dict(state.model_state or {}).items()
+              if getattr(self.rules.get(name), "metrics_row", None) is not None]
+    return protocols.merge_rows(*named)
 
   def evaluate(self, state: TrainState, batch: Any, site: int = 0) -> dict:
     """Loss and metrics of one site's model on ``batch`` with ``train=False``.

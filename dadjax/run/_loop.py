@@ -27,10 +27,10 @@ from dadjax import data as data_lib
 from dadjax import models
 import dadjax.run._peers as _peers
 import dadjax.run._signals as _signals
-from dadjax._core.protocols import collect_rows
+from dadjax._core.protocols import collect_rows, merge_rows
 from dadjax.data._checks import check_dataset
 from dadjax.run._metrics_file import MetricsFile
-from dadjax.comm import HierarchicalNetwork, NetworkModel, comm_stats, host_array, report
+from dadjax.comm import HierarchicalNetwork, NetworkModel, host_array, report
 from dadjax.run._checkpoint import CheckpointDir, truncate_metrics
 import dadjax.run._optim as _optim
 from dadjax.run._config import Config, validate
@@ -231,6 +231,36 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
 
 def _train(config: Config, progress: bool, log, restart: bool, stop, stores: list) -> Run:
   """:func:`train` with its signal handlers installed (``stop``)."""
+  dataset, batcher, step_fn, state = _build_state(config)
+  store, state, wall0, last_row = _resume(
+      config, state, restart, pipeline=batcher if config.pipeline == "grain" else None)
+  if store is not None:
+    stores.append(store)
+  if store is not None and int(host_array(state.step)[0]) == config.steps:
+    store.close()
+    print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
+          "nothing to do", file=sys.stderr, flush=True)
+    return Run(config, state, step_fn, [last_row] if last_row else [], dataset)
+  start = int(host_array(state.step)[0])
+  out_file = _open_metrics(config, store, start)
+  loop = _Loop(config, step_fn, dataset, batcher, network_model(config), store, stop, log,
+               out_file, wall0, last_row)
+  try:
+    state, history = loop.run(state, start, progress)
+  finally:
+    if store is not None:
+      store.close()
+    if out_file:
+      out_file.close()
+    if config.pipeline == "grain":
+      batcher.close()  # stop the pipeline's reader threads
+  return Run(config, state, step_fn, history, dataset, batcher.steps_per_epoch)
+
+
+def _build_state(config: Config):
+  """``(dataset, batcher, step_fn, state)``: :func:`build` and the initial state; a config that
+  cannot be built is a :class:`~dadjax.errors.ConfigError`."""
+  dataset = None
   try:
     dataset, _, batcher, step_fn = build(config)
     state = step_fn.init(jax.random.key(config.seed), dataset.x_train[:config.batch_per_site])
@@ -243,40 +273,52 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
         f"cannot build the run from the config: model {config.model!r} with "
         f"{config.model_kwargs} has a layer with no inputs for input shape "
         f"{dataset.x_train.shape[1:]} ({e})") from e
-  store, state, wall0, last_row = _resume(
-      config, state, restart, pipeline=batcher if config.pipeline == "grain" else None)
-  if store is not None:
-    stores.append(store)
-  if store is not None and int(host_array(state.step)[0]) == config.steps:
-    store.close()
-    print(f"dadjax: the run in {config.checkpoint_dir} already finished at step {config.steps}; "
-          "nothing to do", file=sys.stderr, flush=True)
-    return Run(config, state, step_fn, [last_row] if last_row else [], dataset)
-  network = HierarchicalNetwork(
-      NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology),
-      config.intra_bandwidth, config.intra_latency, config.per_site)
-  start = int(host_array(state.step)[0])
-  out_file = None
-  if config.out_dir:
-    try:
-      pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
-      truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
-      out_file = MetricsFile(config.out_dir,
-                             kept=lambda: store.settled_step() if store is not None else None)
-    except OSError as e:
-      if store is not None:
-        store.close()  # release the checkpoint lock: nothing ran
-      raise ConfigError(f"config.out_dir {config.out_dir!r} cannot hold metrics.jsonl: "
-                        f"{e.strerror or e}; choose a writable directory") from None
-  history: list[dict] = []
-  bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
-             initial=start, total=config.steps, leave=False)
-  t0 = time.perf_counter()
-  metrics = ops = None
-  sites = step_fn.local_sites  # this process samples and holds only its own sites' rows
+  return dataset, batcher, step_fn, state
+
+
+def _open_metrics(config: Config, store, start: int) -> MetricsFile | None:
+  """``out_dir/metrics.jsonl`` cut back to ``start`` and opened (``None`` without ``out_dir``)."""
+  if not config.out_dir:
+    return None
   try:
+    pathlib.Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+    truncate_metrics(pathlib.Path(config.out_dir) / "metrics.jsonl", start)
+    return MetricsFile(config.out_dir,
+                       kept=lambda: store.settled_step() if store is not None else None)
+  except OSError as e:
+    if store is not None:
+      store.close()  # release the checkpoint lock: nothing ran
+    raise ConfigError(f"config.out_dir {config.out_dir!r} cannot hold metrics.jsonl: "
+                      f"{e.strerror or e}; choose a writable directory") from None
+
+
+@dataclasses.dataclass
+class _Loop:
+  """The steps of one run: train, check, log, save, stop on a signal."""
+
+  config: Config
+  step_fn: TrainStep
+  dataset: Any
+  batcher: Any
+  network: HierarchicalNetwork
+  store: Any
+  stop: Any
+  log: Callable[[dict], None] | None
+  out_file: MetricsFile | None
+  wall0: float
+  last_row: dict | None
+  ops: Any = None
+
+  def run(self, state, start: int, progress: bool) -> tuple[Any, list[dict]]:
+    """Steps ``start`` to ``config.steps``; returns the final state and the logged rows."""
+    config, step_fn, store, stop = self.config, self.step_fn, self.store, self.stop
+    history: list[dict] = []
+    bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
+               initial=start, total=config.steps, leave=False)
+    t0 = time.perf_counter()
+    sites = step_fn.local_sites  # this process samples and holds only its own sites' rows
     for step in bar:
-      x, y = batcher.batch_at(step, sites)
+      x, y = self.batcher.batch_at(step, sites)
       if step == start:
         _report_rows(sites, x.shape, step_fn.num_sites)
       state, metrics = step_fn(state, {"x": x, "y": y}, sites)
@@ -287,30 +329,29 @@ def _train(config: Config, progress: bool, log, restart: bool, stop, stores: lis
       if log_now or save_now:  # the only host syncs of the loop
         _check_finite(metrics, done, config, store)
       if log_now:
-        if ops is None:
-          ops = compiled_ops(step_fn, state, {"x": x, "y": y}, sites)
-        row = _log_row(config, step_fn, state, metrics, dataset, network, done,
-                       wall0 + time.perf_counter() - t0, batcher.steps_per_epoch, ops)
+        row = self.log_row(state, metrics, {"x": x, "y": y}, sites, done,
+                           self.wall0 + time.perf_counter() - t0)
         history.append(row)
-        last_row = row
         bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
-        if out_file:
-          out_file.write(row)  # strict JSON; a vanished out_dir or a full disk stops the run
-        if log:
-          log(row)
       if save_now:
-        store.save(done, state, wall_s=wall0 + time.perf_counter() - t0, row=last_row)
+        store.save(done, state, wall_s=self.wall0 + time.perf_counter() - t0, row=self.last_row)
       if stop.stop_at(done) if done < config.steps else stop.stop_at_end(done):
         _stop_on_signal(config, store, stop, state, metrics, done, saved=save_now,
-                        wall_s=wall0 + time.perf_counter() - t0, row=last_row)
-  finally:
-    if store is not None:
-      store.close()
-    if out_file:
-      out_file.close()
-    if config.pipeline == "grain":
-      batcher.close()  # stop the pipeline's reader threads
-  return Run(config, state, step_fn, history, dataset, batcher.steps_per_epoch)
+                        wall_s=self.wall0 + time.perf_counter() - t0, row=self.last_row)
+    return state, history
+
+  def log_row(self, state, metrics, batch, sites, step: int, seconds: float) -> dict:
+    """Build the row of ``step``, write it to the metrics file and hand it to ``log``."""
+    if self.ops is None:  # the compiled step's collective ops, read once
+      self.ops = compiled_ops(self.step_fn, state, batch, sites)
+    row = _log_row(self.config, self.step_fn, state, metrics, self.dataset, self.network, step,
+                   seconds, self.batcher.steps_per_epoch, self.ops)
+    self.last_row = row
+    if self.out_file:
+      self.out_file.write(row)  # strict JSON; a vanished out_dir or a full disk stops the run
+    if self.log:
+      self.log(row)
+    return row
 
 
 def _stop_on_signal(config: Config, store, stop, state, metrics, step: int, *, saved: bool,
@@ -393,34 +434,38 @@ def _report_rows(sites: tuple[int, ...], shape: tuple[int, ...], num_sites: int)
           file=sys.stderr, flush=True)
 
 
-def _log_row(config, step_fn, state, metrics, dataset, network, step, seconds,
+def network_model(config: Config) -> HierarchicalNetwork:
+  """The network model of ``config`` the rows' modeled figures hold for (a 1-D mesh: one
+  device per site, no in-site phase)."""
+  return HierarchicalNetwork(
+      NetworkModel(config.bandwidth, config.latency, config.num_sites, config.topology),
+      config.intra_bandwidth, config.intra_latency, config.per_site)
+
+
+def _log_row(config, step_fn, state, metrics, dataset, network_model, step, seconds,
              steps_per_epoch, ops) -> dict:
   """One metrics row.
 
-  Bits come from every ledger of the train state: the optimizer's and the
-  step's own (batch stage, averaged collections, the metrics' ``pmean``),
-  read out by :func:`dadjax.comm.report` with latency charged per compiled
-  op (``ops``: :func:`compiled_ops`).
+  Every bit and time column is :func:`dadjax.comm.report`'s row: every
+  ledger of the train state (the optimizer's and the step's own: batch
+  stage, averaged collections, the metrics' ``pmean``), with latency charged
+  per compiled op (``ops``: :func:`compiled_ops`).
   ``train_<name>`` are the step's site-averaged metrics of the last step,
-  ``test_<name>`` the evaluation-mode metrics on the test set.
+  ``test_<name>`` the evaluation-mode metrics on the test set; then what the
+  state's parts report (``metrics_row``). No column overwrites another
+  (:func:`~dadjax._core.protocols.merge_rows`).
   """
-  summary = comm_stats(state)
   train_metrics = {k: float(host_array(v)[0]) for k, v in metrics.items()}
   test_metrics = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
-  row = {
-      "step": step,
-      "epoch": step / steps_per_epoch,
-      "method": config.method,
-      "loss": train_metrics.pop("loss"),
-      **{f"train_{k}": v for k, v in train_metrics.items()},
-      **{f"test_{k}": v for k, v in test_metrics.items()},
-      **report(state, network, ops=ops[0], intra_ops=ops[1]).row(),
-      "step_bits_per_step": comm_stats(state.comm).bits_per_step,
-      "dense_bits_per_step": summary.dense_bits_per_step,
-      "wall_s": seconds,
-  }
-  row.update(step_fn.metrics_row(state))  # what the state's parts report (metrics_row)
-  return row
+  loop_row = {"step": step, "epoch": step / steps_per_epoch, "method": config.method,
+              "loss": train_metrics.pop("loss"),
+              **{f"train_{k}": v for k, v in train_metrics.items()},
+              **{f"test_{k}": v for k, v in test_metrics.items()}}
+  return merge_rows(
+      ("the train loop", loop_row),
+      ("dadjax.comm.report", report(state, network_model, ops=ops[0], intra_ops=ops[1]).row()),
+      ("the train loop", {"wall_s": seconds}),
+      ("the train state's metrics_row", step_fn.metrics_row(state)))
 
 
 def state_rows(opt_state: Any, params: Any) -> dict:
