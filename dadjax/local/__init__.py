@@ -15,10 +15,12 @@ and an outer optimizer applies it to the synchronized (anchor) parameters:
 * :func:`demo`: per-site momentum whose top-k DCT components per block are
   shared and removed, sign-SGD on their mean.
 
-The two steps of a synchronization are parameters of :func:`local_updates`:
-a :class:`Communicate` (:func:`averaging`: fp32, a compressor, or a decaying
-error-feedback memory) and a :class:`Merge` (:func:`outer_step`), so a new
-variant is a new pair of functions.
+Every one of them is :func:`local_updates` with its own pair of steps: a
+:class:`Communicate` (:func:`averaging`: fp32, a compressor, or a decaying
+error-feedback memory) and a :class:`Merge` (:func:`outer_step`: an outer
+optimizer, with a local weight ``alpha``). A new variant is a new pair,
+built from these or from functions that call the module-level steps
+(:func:`pseudo_gradient`, :func:`exchange_mean`, :func:`outer_merge`).
 
 Each is an optax transformation that wraps the local optimizer and plugs
 into :func:`~dadjax.make_train_step` alone (it communicates itself); its
@@ -32,18 +34,12 @@ state is a :class:`LocalState` whose ledger is a
 from dadjax.local._chunked import ChunkedPayload, chunked_topk
 from dadjax.local._dct import ChunkLayout, chunk_layout, dct_matrix, from_chunks, to_chunks
 from dadjax.local._frontier import demo, demo_outer, sparseloco
-from dadjax.local._periodic import (
-    LocalState,
-    SyncPlan,
-    default_outer,
-    diloco,
-    local_sgd,
-    local_updates,
-    streaming_diloco,
-    sync_plan,
-)
-from dadjax.local._steps import (Communicate, Exchange, Merge, Outer, averaging, exchange_init,
-                                 exchange_mean, outer_init, outer_merge, outer_step)
+from dadjax.local._diloco import diloco, local_sgd, streaming_diloco
+from dadjax.local._periodic import LocalState, local_updates
+from dadjax.local._plan import SyncPlan, sync_plan
+from dadjax.local._steps import (Communicate, Exchange, Merge, Outer, averaging, default_outer,
+                                 exchange_init, exchange_mean, outer_init, outer_merge, outer_step,
+                                 pseudo_gradient)
 from dadjax.local import _methods  # registers the specs  # noqa: F401
 
 __all__ = [
@@ -75,4 +71,5 @@ __all__ = [
     "outer_step",
     "outer_init",
     "outer_merge",
+    "pseudo_gradient",
 ]

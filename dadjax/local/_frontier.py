@@ -19,7 +19,7 @@ import optax
 from dadjax.compress import Compressor
 from dadjax.local._chunked import chunked_topk
 from dadjax.local._periodic import check_compressor, local_updates
-from dadjax.local._steps import averaging, outer_step
+from dadjax.local._steps import averaging, named, outer_step
 
 
 def _check_unit(name: str, what: str, value, low_open: bool = False) -> float:
@@ -99,10 +99,9 @@ def sparseloco(
     raise ValueError(f"{name}: {str(e).removeprefix('chunked_topk: ')}") from None
   decay = _check_unit(name, "decay", decay)
   outer_lr = _check_positive(name, "outer_lr", outer_lr)
-  return local_updates(inner, every, communicate=averaging(compressor, axis_name=axis_name,
-                                                           seed=seed, decay=decay),
-                       merge=outer_step(optax.sgd(outer_lr)), axis_name=axis_name, seed=seed,
-                       name=name)
+  with named(name):
+    communicate = averaging(compressor, axis_name=axis_name, seed=seed, decay=decay)
+  return local_updates(inner, every, communicate, outer_step(optax.sgd(outer_lr)), name=name)
 
 
 def demo_outer(lr: float | Callable[[Any], Any], weight_decay: float = 0.0,
@@ -186,7 +185,7 @@ def demo(
     raise ValueError(f"{name}: weight_decay must be a float >= 0, got {weight_decay!r}")
   if not isinstance(sign, bool):
     raise ValueError(f"{name}: sign must be a bool, got {sign!r}")
-  return local_updates(inner, every, communicate=averaging(compressor, axis_name=axis_name,
-                                                           seed=seed, decay=decay),
-                       merge=outer_step(demo_outer(lr, float(weight_decay), sign)),
-                       axis_name=axis_name, seed=seed, name=name)
+  with named(name):
+    communicate = averaging(compressor, axis_name=axis_name, seed=seed, decay=decay)
+  return local_updates(inner, every, communicate,
+                       outer_step(demo_outer(lr, float(weight_decay), sign)), name=name)

@@ -12,7 +12,7 @@ from typing import Any
 import optax
 
 from dadjax.local._frontier import demo, sparseloco
-from dadjax.local._periodic import diloco, local_sgd, streaming_diloco
+from dadjax.local._diloco import diloco, local_sgd, streaming_diloco
 from dadjax.registry import COMPRESSOR, Arg, ArgumentError, BuildContext, Method, register_method
 
 _EVERY = Arg("every", int, within="[1, inf)", doc="H: inner steps between synchronizations")
