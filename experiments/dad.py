@@ -30,6 +30,13 @@ non-IID one :data:`NON_IID_METHODS` unless ``--methods`` names them; on the
 transformer LM (``text_lm``, ~100 s per run) pass a shorter ``--methods``.
 
 Writes ``<out>/dad.md`` (tables + the command) and ``<out>/dad_<task>.png``.
+
+Not :func:`dadjax.run.train`: each run keeps its own loop to probe the
+synchronized gradient against the exact one with the method's live state
+before every evaluated step (and, for ``pooled``, to train one site on every
+site's rows); its rows carry the same report columns (cumulative wire bits,
+modeled seconds), and the cost to target is :func:`dadjax.run.to_target` on
+them.
 """
 
 from __future__ import annotations
@@ -37,32 +44,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-
-import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp
-import numpy as np
-import optax
-
-from dadjax import dad
-from dadjax.comm import NetworkModel, comm_stats, report
-from dadjax.config import Config
-from dadjax.methods import build_method
-from dadjax.parallel import local_gradients, make_train_step, softmax_cross_entropy
-from dadjax.train import build, evaluate, make_optimizer
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from workloads import mean_std, metric_of  # noqa: E402  pylint: disable=g-import-not-at-top
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-ROOT = pathlib.Path(__file__).resolve().parent
+harness.host_devices(8)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dadjax import dad  # noqa: E402
+from dadjax.comm import NetworkModel, comm_stats, report  # noqa: E402
+from dadjax.methods import build_method  # noqa: E402
+from dadjax.parallel import local_gradients, make_train_step, softmax_cross_entropy  # noqa: E402
+from dadjax.run import Config, build, evaluate, make_optimizer, to_target  # noqa: E402
+
+import workloads  # noqa: E402
+from harness import mean_std  # noqa: E402
+from workloads import metric_of  # noqa: E402
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+ROOT = harness.ROOT
 NOTES = """\
 Notes.
 - payload = the ledger: the bits each site hands to collectives per step.
@@ -83,8 +90,9 @@ Notes.
   its op count is scaled by their ratio (rounded up). At these sizes the
   latency term dominates: fewer, larger collectives win.
 - to target: the first evaluation (every `eval_every` steps) at or above
-  the task's target test accuracy; wire bits and modeled time are that
-  many steps times the per-step numbers. "not reached" in the run.
+  the task's target test accuracy (`dadjax.run.to_target`); wire bits and
+  modeled time are the cumulative ones at that evaluation. "not reached"
+  in the run.
 - GRU: the hidden-to-hidden layer runs inside `nn.scan`, so it is captured
   per time step (T = 8 collectives, and rank-dAD sends T r (d_in + d_out)
   numbers for it); `auto_dad` decides per call, i.e. per time step.
@@ -117,8 +125,10 @@ class Task:
   target: float = 0.9
   metric: str = "accuracy"  # or "bits_per_byte" (lower is better)
 
-  def reached(self, value: float) -> bool:
-    return value >= self.target if self.metric == "accuracy" else value <= self.target
+  @property
+  def key(self) -> str:
+    """The metric's column in the runs' rows."""
+    return f"test_{self.metric}"
 
 
 def load_task(path: str | pathlib.Path, steps: int | None = None) -> Task:
@@ -211,7 +221,7 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model, ops_cache=No
   step = make_train_step(model, optimizer, num_sites=sites, backend=cfg.backend)
   state = step.init(jax.random.key(cfg.seed), dataset.x_train[:cfg.batch_per_site])
   probe = None if pooled else _probe(model, base_model, method.tx)
-  history, errors, ranks = [], [], []
+  history, summaries, errors, ranks = [], [], [], []
   t0 = time.perf_counter()
   for t in range(cfg.steps):
     x, y = batcher.batch_at(t)
@@ -226,12 +236,10 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model, ops_cache=No
       if found:
         ranks.append(float(np.mean([np.mean(v) for v in found.values()])))
       metrics = evaluate(step, state, dataset.x_test, dataset.y_test)
-      history.append({
-          "step": t + 1,
-          "test_accuracy": metrics["accuracy"],
-          "test_metric": metric_of(metrics, task.metric),
-          "total_bits": 0 if pooled else comm_stats(state.opt_state).total,
-      })
+      history.append({"step": t + 1, "test_accuracy": metrics["accuracy"],
+                      "test_metric": metric_of(metrics, task.metric),
+                      task.key: metric_of(metrics, task.metric)})
+      summaries.append(None if pooled else comm_stats(state.opt_state))
   wall = time.perf_counter() - t0
   row = {
       "method": spec,
@@ -243,8 +251,8 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model, ops_cache=No
       "wall_s": wall,
       "report": None,
   }
-  reached = next((h["step"] for h in history if task.reached(h["test_metric"])), None)
-  row["steps_to_target"] = reached
+  for h in history:  # pooled: one site, nothing on the wire
+    h.update(total_wire_bits=0.0, modeled_comm_s=0.0)
   if not pooled:
     summary = comm_stats(state.opt_state)
     if ops_cache is not None and spec in ops_cache:
@@ -254,11 +262,15 @@ def run_method(task: Task, spec: str, dataset, batcher, base_model, ops_cache=No
       if ops_cache is not None:
         ops_cache[spec] = (ops, source)
     network = NetworkModel(BANDWIDTH, LATENCY_S, cfg.num_sites, "ring")
+    for h, at in zip(history, summaries):  # each evaluation's cumulative bits and time
+      at_eval = report(at, network, ops=ops)
+      h.update(total_wire_bits=at_eval.total_wire_bits, modeled_comm_s=at_eval.modeled_comm_s)
     rep = report(summary, network, ops=ops)._asdict()
     rep["fp32_time_s"] = network.baseline_time(summary, 32, ops["reduce"] or 1)
     rep["bf16_time_s"] = network.baseline_time(summary, 16, ops["reduce"] or 1)
     row["report"] = rep
     row["ops"], row["ops_source"] = ops, source
+  row["reached"] = to_target(history, task.key, task.target)
   return row
 
 
@@ -304,8 +316,8 @@ def format_table(task: Task, rows: list[dict]) -> str:
   base = base_row["report"] if base_row else None
   for r in rows:
     rank = f"{r['effective_rank']:.2f}" if r["effective_rank"] is not None else "-"
-    reached = r["steps_to_target"]
-    steps_to = f"{reached}" if reached else "not reached"
+    reached = r["reached"]
+    steps_to = f"{reached.step}" if reached else "not reached"
     rep = r["report"]
     if rep is None:  # pooled: one site, nothing on the wire
       lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | 0 | 0 | - | - | - | 0 | "
@@ -317,8 +329,8 @@ def format_table(task: Task, rows: list[dict]) -> str:
     if rep["wire_ratio_bf16"] < 1:
       more_bf16.append(r["method"])
     ops = f"{r['ops']['reduce']}, {r['ops']['gather']}"
-    bits_to = f"{reached * rep['wire_bits_per_step']:.3g}" if reached else "-"
-    time_to = f"{1e3 * reached * rep['modeled_comm_s_per_step']:.1f}" if reached else "-"
+    bits_to = f"{reached.bits:.3g}" if reached else "-"
+    time_to = f"{1e3 * reached.seconds:.1f}" if reached else "-"
     lines.append(f"| {r['method']} | {r['test_accuracy']:.3f} | {rep['payload_bits_per_step']:,} | "
                  f"{rep['wire_bits_per_step']:,.0f} | {_ratio(rep['wire_ratio_fp32'])} | "
                  f"{_ratio(rep['wire_ratio_bf16'])} | {ops} | {1e3 * rep['modeled_comm_s_per_step']:.3f} | "
@@ -354,7 +366,7 @@ def plot(task: Task, rows: list[dict], path: pathlib.Path) -> None:
       continue
     style = "-" if ("dad" in r["method"]) else "--"
     wire = r["report"]["wire_bits_per_step"]
-    left.plot([h["step"] * wire for h in r["history"]], [h["test_metric"] for h in r["history"]],
+    left.plot([h["total_wire_bits"] for h in r["history"]], [h["test_metric"] for h in r["history"]],
               style, marker="o", ms=3, label=r["method"], color=color)
     right.scatter(wire, max(r["grad_error"], 1e-8), label=r["method"],
                   marker="o" if "dad" in r["method"] else "s", color=color)
@@ -405,30 +417,32 @@ def workload_table(task: Task, by_method: dict, seeds) -> tuple[str, dict]:
   summary = {}
   for spec, runs in by_method.items():
     values = [r["test_metric"] for r in runs]
-    steps = [r["steps_to_target"] for r in runs if r["steps_to_target"]]
+    hits = [r["reached"] for r in runs if r["reached"]]
+    steps = [h.step for h in hits]
     rep = runs[0]["report"]
     ranks = [r["effective_rank"] for r in runs if r["effective_rank"] is not None]
-    rank = mean_std(ranks, "{:.2f}") if ranks else "-"
-    err = mean_std([r["grad_error"] for r in runs], "{:.2e}")
-    reached = f"{len(steps)}/{len(runs)}"
-    steps_to = mean_std(steps, "{:.0f}") if steps else "not reached"
+    rank = mean_std(ranks, "{:.2f}", "{:.2f}") if ranks else "-"
+    err = mean_std([r["grad_error"] for r in runs], "{:.2e}", "{:.2e}")
+    reached = f"{len(hits)}/{len(runs)}"
+    metric = mean_std(values, "{:.3f}", "{:.3f}")
+    steps_to, bits_to, time_to = harness.to_target_cells(
+        [r["history"] for r in runs], task.key, task.target, seconds_scale=1e3,
+        fmts=("{:.0f}", "{:.3g}", "{:.1f}"))
     if rep is None:
-      lines.append(f"| {spec} | {mean_std(values)} | 0 | 0 | - | - | 0 | {reached} | {steps_to} "
+      lines.append(f"| {spec} | {metric} | 0 | 0 | - | - | 0 | {reached} | {steps_to} "
                    f"| 0 | 0 | 0 (reference) | {rank} |")
       summary[spec] = {"metric": float(np.mean(values)), "wire": 0.0, "steps": steps,
                        "bits_to": 0.0 if steps else None}
       continue
     wire = rep["wire_bits_per_step"]
-    bits_to = [s * wire for s in steps]
-    time_to = [1e3 * s * rep["modeled_comm_s_per_step"] for s in steps]
-    lines.append(f"| {spec} | {mean_std(values)} | {rep['payload_bits_per_step']:,} | "
+    lines.append(f"| {spec} | {metric} | {rep['payload_bits_per_step']:,} | "
                  f"{wire:,.0f} | {_ratio(rep['wire_ratio_fp32'])} | "
                  f"{_ratio(rep['wire_ratio_bf16'])} | "
                  f"{1e3 * rep['modeled_comm_s_per_step']:.3f} | {reached} | {steps_to} | "
-                 f"{mean_std(bits_to, '{:.3g}') if steps else '-'} | "
-                 f"{mean_std(time_to, '{:.1f}') if steps else '-'} | {err} | {rank} |")
+                 f"{bits_to if steps else '-'} | {time_to if steps else '-'} | {err} | {rank} |")
     summary[spec] = {"metric": float(np.mean(values)), "wire": wire, "steps": steps,
-                     "bits_to": float(np.mean(bits_to)) if len(steps) == len(runs) else None,
+                     "bits_to": float(np.mean([h.bits for h in hits]))
+                     if len(hits) == len(runs) else None,
                      "std": float(np.std(values))}
   base = next((r[0]["report"] for s, r in by_method.items() if r[0]["report"]), None)
   if base is not None:
@@ -475,7 +489,7 @@ def rank_dad_verdict(task: Task, summary: dict) -> str:
 
 
 def run_workloads(args, methods, out: pathlib.Path) -> list[str]:
-  seeds = [int(v) for v in args.seeds.split(",")]
+  seeds = harness.seeds(args.seeds)
   sections = []
   for name in args.workload.split(","):
     wl = workloads.get(name)
@@ -510,7 +524,7 @@ def main(argv=None) -> int:
                       help="task config JSON (repeatable); default: the three dad_*.json")
   parser.add_argument("--steps", type=int, default=None, help="override steps")
   parser.add_argument("--methods", default=None, help="comma-separated methods override")
-  parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
+  parser.add_argument("--out", default=str(harness.RESULTS), help="output directory")
   parser.add_argument("--workload", default=None,
                       help=f"comma-separated real workloads ({', '.join(workloads.WORKLOADS)}) "
                       "instead of the configs; several seeds and partitions, mean +- std")
@@ -523,8 +537,8 @@ def main(argv=None) -> int:
   methods = args.methods.split(",") if args.methods else None
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python experiments/dad.py " + " ".join(argv if argv is not None else sys.argv[1:])
-  sections = [f"# dAD / rank-dAD experiment\n\nCommand: `{command.strip()}`\n\n"
+  command = harness.command_line("dad.py", argv if argv is not None else sys.argv[1:])
+  sections = [f"# dAD / rank-dAD experiment\n\nCommand: `{command}`\n\n"
               f"jax {jax.__version__}, {jax.device_count()} simulated CPU devices "
               f"(sites run under `vmap`).\n"]
   t0 = time.perf_counter()

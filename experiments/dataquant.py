@@ -34,23 +34,19 @@ Writes ``<out>/dataquant.md`` (tables + the command) and ``<out>/dataquant.png``
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import numpy as np
 
-import numpy as np  # pylint: disable=g-import-not-at-top
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from dadjax import registry  # pylint: disable=g-import-not-at-top
-from dadjax.config import Config  # pylint: disable=g-import-not-at-top
-from dadjax.train import train  # pylint: disable=g-import-not-at-top
+harness.host_devices(8)
+from dadjax import registry  # noqa: E402  pylint: disable=g-import-not-at-top
+from dadjax.run import Config, to_target, train  # noqa: E402  pylint: disable=g-import-not-at-top
 
-ROOT = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 QUICK = False  # --quick: the workloads at their quick sizes
@@ -105,38 +101,12 @@ def config_for(model: str, spec: str, seed: int, steps: int, eval_every: int,
                 lr=METHODS.get(spec, 0.1), bandwidth=BANDWIDTH, latency=LATENCY)
 
 
-def wire_rows(history: list[dict]) -> list[tuple[int, float, float, float]]:
-  """(step, test accuracy, cumulative wire bits per site, cumulative modeled comm seconds) of
-  each logged row."""
-  return [(r["step"], r["test_accuracy"], r["total_wire_bits"], r["modeled_comm_s"])
-          for r in history]
-
-
-def to_target(history, target: float) -> tuple[float, float]:
-  """(cumulative wire bits per site, modeled comm seconds) at the first evaluation whose test
-  accuracy reaches ``target``; NaNs when none does."""
-  for _, acc, bits, seconds in wire_rows(history):
-    if acc >= target:
-      return bits, seconds
-  return float("nan"), float("nan")
-
-
-def run_method(model, spec, seeds, steps, eval_every):
-  runs = []
-  for seed in seeds:
-    t0 = time.perf_counter()
-    run = train(config_for(model, spec, seed, steps, eval_every), progress=False)
-    runs.append((run, time.perf_counter() - t0))
-  return runs
-
-
-def mean_std(values) -> str:
-  v = np.asarray(values, float)
-  if np.all(np.isnan(v)):
-    return "not reached"
-  reached = v[~np.isnan(v)]
-  text = f"{reached.mean():.3g} ± {reached.std():.2g}"
-  return text if len(reached) == len(v) else f"{text} ({len(reached)}/{len(v)} seeds)"
+def run_one(model, spec, seed, steps, eval_every):
+  """``(run, wall seconds)`` of one :func:`dadjax.run.train` run."""
+  print(f"{model}: {spec} seed {seed}", flush=True)
+  t0 = time.perf_counter()
+  run = train(config_for(model, spec, seed, steps, eval_every), progress=False)
+  return run, time.perf_counter() - t0
 
 
 def task_table(model, results, target) -> tuple[str, dict]:
@@ -146,24 +116,23 @@ def task_table(model, results, target) -> tuple[str, dict]:
             f"{cfg.batch_per_site} rows, lr {cfg.lr:g}")
   else:
     what = f"{MODELS[model][1]}, {SITES} sites x {ROWS} rows"
-  lines = [f"### {model}: {what}, target test accuracy {target}", "",
-           "| method | test acc | wire bits/step/site | modeled comm ms/step | wire bits to target | "
-           "modeled comm s to target | backward rows/step/site | wall s/run |",
-           "|---|---|---|---|---|---|---|---|"]
-  bits_to_target = {}
+  rows, bits_to_target = [], {}
   for spec, runs in results.items():
     finals = [r.final for r, _ in runs]
-    acc = [f["test_accuracy"] for f in finals]
     per_step = [f["total_wire_bits"] / f["step"] for f in finals]
     ms_per_step = [1e3 * f["modeled_comm_s"] / f["step"] for f in finals]
-    reach = [to_target(r.history, target) for r, _ in runs]
-    bits_to_target[spec] = [bits for bits, _ in reach]
-    rows = [f.get("backward_rows_per_step", ROWS) for f in finals]
-    lines.append(f"| {spec} | {np.mean(acc):.3f} ± {np.std(acc):.3f} | {np.mean(per_step):,.0f} | "
-                 f"{np.mean(ms_per_step):.3g} | {mean_std(bits_to_target[spec])} | "
-                 f"{mean_std([seconds for _, seconds in reach])} | {int(np.max(rows))} | "
-                 f"{np.mean([t for _, t in runs]):.1f} |")
-  return "\n".join(lines), bits_to_target
+    reached = [to_target(r.history, "test_accuracy", target) for r, _ in runs]
+    bits_to_target[spec] = [r.bits if r else float("nan") for r in reached]
+    _, bits_to, seconds_to = harness.to_target_cells([r.history for r, _ in runs],
+                                                     "test_accuracy", target)
+    backward = [f.get("backward_rows_per_step", ROWS) for f in finals]
+    rows.append([spec, harness.mean_std([f["test_accuracy"] for f in finals], "{:.3f}", "{:.3f}"),
+                 f"{np.mean(per_step):,.0f}", f"{np.mean(ms_per_step):.3g}", bits_to, seconds_to,
+                 int(np.max(backward)), f"{np.mean([t for _, t in runs]):.1f}"])
+  return (f"### {model}: {what}, target test accuracy {target}\n\n" + harness.table(
+      ["method", "test acc", "wire bits/step/site", "modeled comm ms/step", "wire bits to target",
+       "modeled comm s to target", "backward rows/step/site", "wall s/run"], rows),
+          bits_to_target)
 
 
 def verdict(model, bits_to_target) -> str:
@@ -200,34 +169,22 @@ def width_sweep(widths, steps=1) -> tuple[str, dict]:
 
 
 def plot(curves, sweep, widths, path) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = harness.pyplot()
   fig, axes = plt.subplots(1, len(curves) + 1, figsize=(5.5 * (len(curves) + 1), 4.5))
-  colors = plt.cm.tab20.colors
-  for ax, (model, results) in zip(axes, curves.items()):
-    for i, (spec, runs) in enumerate(results.items()):
-      rows = np.asarray([[a for _, a, _, _ in wire_rows(r.history)] for r, _ in runs])
-      bits = np.asarray([b for _, _, b, _ in wire_rows(runs[0][0].history)])
-      ax.plot(bits, rows.mean(0), marker="os^v"[i % 4], ms=3, color=colors[i % len(colors)],
-              label=spec)
-    ax.set_xscale("log")
-    ax.set_xlabel("cumulative wire bits per site (ring)")
-    ax.set_ylabel("test accuracy (mean over seeds)")
-    ax.set_title(f"{model}, {SITES} sites")
-  axes[0].legend(fontsize=6)
+  for i, (ax, (model, results)) in enumerate(zip(axes, curves.items())):
+    lines = {spec: ([row["total_wire_bits"] for row in runs[0][0].history],
+                    np.mean([[row["test_accuracy"] for row in r.history] for r, _ in runs], 0))
+             for spec, runs in results.items()}
+    harness.plot_curves(ax, lines, xlabel="cumulative wire bits per site (ring)",
+                        ylabel="test accuracy (mean over seeds)", title=f"{model}, {SITES} sites",
+                        legend=6 if i == 0 else None)
   ax = axes[-1]
-  for i, (spec, bits) in enumerate(sweep.items()):
-    ax.plot(widths, bits, marker="os^v"[i % 4], color=colors[(2 * i) % len(colors)], label=spec)
+  harness.plot_curves(ax, {spec: (widths, bits) for spec, bits in sweep.items()}, logx=False,
+                      xlabel="MLP hidden width", ylabel="wire bits per step per site",
+                      title="bits/step vs model width", legend=6)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
-  ax.set_xlabel("MLP hidden width")
-  ax.set_ylabel("wire bits per step per site")
-  ax.set_title("bits/step vs model width")
-  ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  harness.save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -243,7 +200,7 @@ def main(argv=None) -> int:
   parser.add_argument("--target", type=float, default=None,
                       help="test accuracy to reach (default 0.92; a workload: its own)")
   parser.add_argument("--widths", default="64,256,1024")
-  parser.add_argument("--out", default=str(ROOT / "results"))
+  parser.add_argument("--out", default=str(harness.RESULTS))
   parser.add_argument("--workload", default=None,
                       help="comma-separated real workloads (fashion_mlp, fashion_cnn) instead "
                       "of --models")
@@ -273,7 +230,7 @@ def main(argv=None) -> int:
   args.steps = args.steps or 120
   args.eval_every = args.eval_every or 10
   args.target = 0.92 if args.target is None else args.target
-  seeds = [int(s) for s in args.seeds.split(",")]
+  seeds = harness.seeds(args.seeds)
   widths = [int(w) for w in args.widths.split(",")] if args.widths != "none" else []
   methods = registry.split_specs(args.methods)
   skipped = [m for m in methods if not available(m)]
@@ -282,11 +239,11 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()
   sections, curves, verdicts = [], {}, []
-  for model in args.models.split(","):
-    results = {}
-    for spec in methods:
-      print(f"{model}: {spec}", flush=True)
-      results[spec] = run_method(model, spec, seeds, args.steps, args.eval_every)
+  models = args.models.split(",")
+  runs = harness.grid(methods, seeds, lambda model, spec, seed: run_one(
+      model, spec, seed, args.steps, args.eval_every), settings=models)
+  for model in models:
+    results = {spec: runs[(model, spec)] for spec in methods}
     table, bits_to_target = task_table(model, results, args.target)
     print(table, flush=True)
     sections.append(table)
@@ -295,14 +252,12 @@ def main(argv=None) -> int:
   sweep_table, sweep = width_sweep(widths) if widths else ("(Width sweep not run.)", {})
   print(sweep_table, flush=True)
   plot(curves, sweep, widths, out / f"{args.name}.png")
-  command = "python experiments/dataquant.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  command = harness.command_line("dataquant.py", sys.argv[1:] if argv is None else argv)
   lr_text = "lr 0.1" if not args.workload else (
       f"lr {config_for(args.models.split(',')[0], 'allreduce', 0, 1, 1).lr:g}"
       + (", quick sizes" if QUICK else ""))
-  text = "\n\n".join([
-      "# Data quantization against gradient compressors and dAD",
-      f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on the CPU, vmap "
-      f"backend, seeds {seeds}, {args.steps} steps, SGD momentum 0.9, {lr_text}).",
+  harness.write_results(
+      out / f"{args.name}.md", "Data quantization against gradient compressors and dAD", command,
       *sections,
       "### Against the target (>= 10x fewer wire bits than the best gradient compressor)",
       "\n".join(verdicts),
@@ -310,8 +265,8 @@ def main(argv=None) -> int:
       NOTES.format(bandwidth=BANDWIDTH, latency=LATENCY, latency_per=latency_per(curves))
       + (f"\n- Not run (not registered in this build): {', '.join(skipped)}."
                if skipped else ""),
-  ])
-  (out / f"{args.name}.md").write_text(text + "\n")
+      note=f" ({time.perf_counter() - t0:.0f} s on the CPU, vmap backend, seeds {seeds}, "
+      f"{args.steps} steps, SGD momentum 0.9, {lr_text}).")
   print(f"wrote {out / f'{args.name}.md'} and {out / f'{args.name}.png'}")
   return 0
 

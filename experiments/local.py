@@ -16,15 +16,16 @@ every method sees the same samples. Methods:
   ``|``) or DiLoCo with an error-fed 4-bit outer gradient
   (``diloco:10:compress=ef(qsgd(7))``).
 
-Every ``--eval-every`` steps the *synchronized* parameters (the anchor,
-``LocalState.evaluation_params``) are evaluated on the test set. The
-ledger goes through :func:`dadjax.comm.report` for a ring of ``N = 8``
-sites (``--bandwidth``, ``--latency``): wire bits per site (mean per step,
-cumulative), the busiest step's modeled time (a synchronization step) and
-the modeled communication time; with vmap-simulated sites latency is
-charged per recorded collective call. Reported over ``--seeds`` (mean ±
-std): final test accuracy, wire bits per site and modeled time until the
-test accuracy first reaches ``--target``.
+Each run is :func:`dadjax.run.train`: every ``--eval-every`` steps the
+*synchronized* parameters (the anchor, ``LocalState.evaluation_params``)
+are evaluated on the test set, and the row holds :func:`dadjax.comm.report`
+for a ring of ``N = 8`` sites (``--bandwidth``, ``--latency``): wire bits
+per site (mean per step, cumulative), the busiest step's modeled time (a
+synchronization step) and the modeled communication time; with
+vmap-simulated sites latency is charged per recorded collective call.
+Reported over ``--seeds`` (mean ± std): final test accuracy, and the steps,
+cumulative wire bits per site and modeled time at the first evaluation
+reaching ``--target`` (:func:`dadjax.run.to_target`).
 
 Usage (from the repository root)::
 
@@ -40,24 +41,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import numpy as np
 
-import jax  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from dadjax.comm import NetworkModel, report  # pylint: disable=g-import-not-at-top
-from dadjax.config import Config  # pylint: disable=g-import-not-at-top
-from dadjax.train import build, evaluate  # pylint: disable=g-import-not-at-top
+harness.host_devices(8)
+from dadjax.run import Config, train  # noqa: E402  pylint: disable=g-import-not-at-top
 
-ROOT = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 SITES, ROWS = 8, 16
@@ -82,15 +77,6 @@ def methods_for(every: list[int]) -> list[tuple[str, str]]:
   return out
 
 
-def _eval_state(state):
-  """The state with the parameters evaluation should read (a local method's anchor)."""
-  has = lambda x: callable(getattr(type(x), "evaluation_params", None))
-  for node in jax.tree.leaves(state.opt_state, is_leaf=has):
-    if has(node):
-      return state._replace(params=node.evaluation_params(state.params))
-  return state
-
-
 def split_entry(entry: str) -> tuple[str, dict]:
   """``SPEC[|FIELD=VALUE...]`` of ``--methods``: the method spec and its Config overrides.
 
@@ -108,100 +94,59 @@ def split_entry(entry: str) -> tuple[str, dict]:
 
 
 def config_for(args, spec: str, seed: int) -> Config:
-  """The run's Config: the MLP (64, 64) on ``--dataset``, or a ``--workload``'s."""
+  """The run's Config: the MLP (64, 64) on ``--dataset``, or a ``--workload``'s; the ring of
+  ``--bandwidth`` / ``--latency`` its rows report on."""
   spec, overrides = split_entry(spec)
+  link = {"bandwidth": args.bandwidth, "latency": args.latency, "topology": "ring",
+          "eval_every": args.eval_every, "out_dir": None}
   if args.workload:
     wl = workloads.get(args.workload)
     return wl.config(args.quick, method=spec, seed=seed, steps=args.steps,
-                     **{**workloads.partition_fields(wl, args.partition), **overrides})
+                     **{**workloads.partition_fields(wl, args.partition), **link, **overrides})
   return Config(**{**dict(dataset=args.dataset, model="mlp", model_kwargs={"hidden": [64, 64]},
                           method=spec, num_sites=SITES, backend="vmap", batch_per_site=ROWS,
-                          steps=args.steps, seed=seed, lr=0.1, momentum=0.9), **overrides})
+                          steps=args.steps, seed=seed, lr=0.1, momentum=0.9), **link,
+                   **overrides})
 
 
-def run_one(args, spec: str, seed: int, network: NetworkModel, steps_cache: dict) -> dict:
-  config = config_for(args, spec, seed)
-  dataset, _, batcher, step_fn = build(config)
-  # One compiled step per method: the seeds change the initialization and the
-  # site batches; the method's own key seed (stochastic rounding) stays the first seed's.
-  step_fn = steps_cache.setdefault(spec, step_fn)
-  state = step_fn.init(jax.random.key(seed), dataset.x_train[:config.batch_per_site])
-  curve = []
+def run_one(args, spec: str, seed: int) -> dict:
+  """One :func:`dadjax.run.train` run: its rows (the workload's metric added) and wall time."""
   t0 = time.perf_counter()
-  for step in range(args.steps):
-    x, y = batcher.batch_at(step)
-    state, _ = step_fn(state, {"x": x, "y": y})
-    done = step + 1
-    if done % args.eval_every == 0 or done == args.steps:
-      test = evaluate(step_fn, _eval_state(state), dataset.x_test, dataset.y_test)
-      acc = workloads.metric_of(test, args.metric)
-      rep = report(state, network)
-      curve.append((done, acc, rep.total_wire_bits, rep.modeled_comm_s))
-  rep = report(state, network)
-  return {"curve": curve, "report": rep, "wall_s": time.perf_counter() - t0}
-
-
-def to_target(curve, target: float, metric: str = "accuracy") -> tuple[float, float, float]:
-  """(step, cumulative wire bits per site, modeled comm seconds) when the metric first reaches
-  ``target`` (accuracy: >=, bits per byte: <=)."""
-  for step, acc, bits, secs in curve:
-    if (acc >= target) if metric == "accuracy" else (acc <= target):
-      return step, bits, secs
-  return float("nan"), float("nan"), float("nan")
-
-
-def _mean(values, fmt="{:.3g}") -> str:
-  v = np.asarray(values, float)
-  ok = v[~np.isnan(v)]
-  if not len(ok):
-    return "not reached"
-  text = fmt.format(ok.mean()) + (f" ± {ok.std():.2g}" if len(ok) > 1 else "")
-  return text if len(ok) == len(v) else f"{text} ({len(ok)}/{len(v)} seeds)"
-
-
-def cell(text: str) -> str:
-  """``text`` for a markdown table cell (a ``|`` of a method's Config overrides escaped)."""
-  return text.replace("|", "\\|")
+  run = train(config_for(args, spec, seed), progress=False)
+  return {"rows": workloads.with_metric(run.history, args.metric),
+          "wall_s": time.perf_counter() - t0}
 
 
 def table(results, args) -> str:
+  metric = f"test_{args.metric}"
   name = "test acc" if args.metric == "accuracy" else "test bits/byte"
-  lines = [f"| method | spec | {name} | wire bits/step/site | peak comm s/step | "
-           f"total wire bits/site | modeled comm s | steps to {args.target} | "
-           f"wire bits to {args.target} | modeled s to {args.target} | wall s/run |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  t = args.target
+  rows = []
   for (label, spec), runs in results.items():
-    acc = [r["curve"][-1][1] for r in runs]
-    reps = [r["report"] for r in runs]
-    reach = [to_target(r["curve"], args.target, args.metric) for r in runs]
-    lines.append(
-        f"| {cell(label)} | `{cell(spec)}` | {np.mean(acc):.3f} ± {np.std(acc):.3f} | "
-        f"{np.mean([p.wire_bits_per_step for p in reps]):,.0f} | "
-        f"{np.mean([p.peak_comm_s_per_step for p in reps]):.3g} | "
-        f"{np.mean([p.total_wire_bits for p in reps]):.3g} | "
-        f"{np.mean([p.modeled_comm_s for p in reps]):.3g} | "
-        f"{_mean([s for s, _, _ in reach], '{:.0f}')} | {_mean([b for _, b, _ in reach])} | "
-        f"{_mean([t for _, _, t in reach])} | {np.mean([r['wall_s'] for r in runs]):.1f} |")
-  return "\n".join(lines)
+    finals = [r["rows"][-1] for r in runs]
+    mean = lambda key, fmt="{:.3g}": fmt.format(np.mean([f[key] for f in finals]))  # noqa: E731
+    rows.append([label, f"`{spec}`", harness.mean_std([f[metric] for f in finals], "{:.3f}",
+                                                      "{:.3f}"),
+                 mean("wire_bits_per_step", "{:,.0f}"), mean("peak_comm_s_per_step"),
+                 mean("total_wire_bits"), mean("modeled_comm_s"),
+                 *harness.to_target_cells([r["rows"] for r in runs], metric, t),
+                 f"{np.mean([r['wall_s'] for r in runs]):.1f}"])
+  return harness.table(["method", "spec", name, "wire bits/step/site", "peak comm s/step",
+                        "total wire bits/site", "modeled comm s", f"steps to {t}",
+                        f"wire bits to {t}", f"modeled s to {t}", "wall s/run"], rows)
 
 
 def plot(results, path, metric: str = "accuracy") -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = harness.pyplot()
   fig, ax = plt.subplots(figsize=(9, 5.5))
-  colors = plt.cm.tab20.colors
-  for i, ((label, _), runs) in enumerate(results.items()):
-    acc = np.mean([[a for _, a, _, _ in r["curve"]] for r in runs], axis=0)
-    bits = np.mean([[max(b, 1.0) for _, _, b, _ in r["curve"]] for r in runs], axis=0)
-    ax.plot(bits, acc, marker="os^vD"[i % 5], ms=3, color=colors[i % len(colors)], label=label)
-  ax.set_xscale("log")
-  ax.set_xlabel("cumulative wire bits per site (ring, N=8)")
-  ax.set_ylabel(f"test {metric.replace('_', ' ')} of the synchronized parameters "
-                "(mean over seeds)")
-  ax.legend(fontsize=6, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  curves = {label: (np.mean([[max(r["total_wire_bits"], 1.0) for r in run["rows"]]
+                             for run in runs], axis=0),
+                    np.mean([[r[f"test_{metric}"] for r in run["rows"]] for run in runs], axis=0))
+            for (label, _), runs in results.items()}
+  harness.plot_curves(ax, curves, xlabel="cumulative wire bits per site (ring, N=8)",
+                      ylabel=f"test {metric.replace('_', ' ')} of the synchronized parameters "
+                      "(mean over seeds)", legend=6)
+  harness.save(fig, path, dpi=120)
 
 
 def setting(args) -> str:
@@ -245,13 +190,12 @@ def report_text(args, results, seeds, command: str, seconds: float, planned: int
   return "\n".join([
       "# Local updates vs all-reduce and gradient compression",
       "",
-      f"Command: `{command.strip()}` ({seconds:.0f} s on this machine){status}.",
+      f"Command: `{command}` ({seconds:.0f} s on this machine){status}.",
       "",
       setting(args),
       f"{args.steps} steps for every method (equal samples), seeds {seeds} (each seed: its "
-      f"own initialization and site "
-      f"batches; one compiled step per method, so a compressor's key seed is the first "
-      f"seed's). Wire bits per site for a ring of N = {SITES} "
+      f"own initialization, site batches and method key seed; `dadjax.run.train`). Wire bits "
+      f"per site for a ring of N = {SITES} "
       f"(`dadjax.comm.report`); modeled time at {args.bandwidth:g} bit/s and "
       f"{args.latency:g} s per message (latency per recorded call: vmap-simulated sites). "
       f"Accuracy is that of the synchronized parameters (DiLoCo's anchor), evaluated every "
@@ -284,11 +228,11 @@ def main(argv=None) -> int:
                       help="';'-separated method specs to run instead of the default list, "
                       "each SPEC[|FIELD=VALUE...] with Config overrides (demo:lr=0.001|momentum=0)")
   parser.add_argument("--quick", action="store_true", help="a smoke run (seconds per method)")
-  parser.add_argument("--out", default=str(ROOT / "results"))
+  parser.add_argument("--out", default=str(harness.RESULTS))
   parser.add_argument("--name", default="local", help="stem of the written .md and .png")
   args = parser.parse_args(argv)
   resolve_defaults(args, parser)
-  seeds = [int(s) for s in args.seeds.split(",")]
+  seeds = harness.seeds(args.seeds)
   every = [int(h) for h in args.every.split(",")]
   methods = methods_for(every)
   if args.quick:
@@ -298,24 +242,28 @@ def main(argv=None) -> int:
   if args.methods:
     known = dict((spec, label) for label, spec in methods)
     methods = [(known.get(spec, spec), spec) for spec in args.methods.split(";")]
-  network = NetworkModel(bandwidth=args.bandwidth, latency=args.latency, num_sites=SITES)
-  results: dict = {}
   t0 = time.perf_counter()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = "python experiments/local.py " + " ".join(sys.argv[1:] if argv is None else argv)
-  for label, spec in methods:
-    cache: dict = {}
-    for seed in seeds:
-      results.setdefault((label, spec), []).append(run_one(args, spec, seed, network, cache))
-      # written after every run, so a long grid keeps what it has measured
-      text = report_text(args, results, seeds, command, time.perf_counter() - t0,
-                         len(methods) * len(seeds))
-      (out / f"{args.name}.md").write_text(text)
-    acc = np.mean([r["curve"][-1][1] for r in results[(label, spec)]])
-    print(f"{label:48s} {args.metric} {acc:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-  plot(results, out / f"{args.name}.png", args.metric)
-  print(text)
+  command = harness.command_line("local.py", sys.argv[1:] if argv is None else argv)
+  written = {}
+
+  def done(results):  # written after every run, so a long grid keeps what it has measured
+    by_method = {method: runs for (_, method), runs in results.items()}
+    written["text"] = report_text(args, by_method, seeds, command, time.perf_counter() - t0,
+                                  len(methods) * len(seeds))
+    (out / f"{args.name}.md").write_text(written["text"])
+    (label, _), runs = list(by_method.items())[-1]
+    if len(runs) == len(seeds):
+      acc = np.mean([r["rows"][-1][f"test_{args.metric}"] for r in runs])
+      print(f"{label:48s} {args.metric} {acc:.3f}  ({time.perf_counter() - t0:.0f} s)",
+            flush=True)
+
+  results = harness.grid(methods, seeds, lambda _, method, seed: run_one(args, method[1], seed),
+                         done=done)
+  plot({method: runs for (_, method), runs in results.items()}, out / f"{args.name}.png",
+       args.metric)
+  print(written["text"])
   return 0
 
 

@@ -23,8 +23,6 @@ import os
 import pathlib
 from typing import Optional
 
-import numpy as np
-
 from dadjax.config import Config
 
 FASHION_DIR = os.environ.get("DADJAX_FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
@@ -167,17 +165,16 @@ def partition_fields(workload: Workload, partition: str) -> dict:
 
 
 def metric_of(test_metrics: dict, metric: str) -> float:
-  """The workload's metric from an evaluation row (``bits_per_byte`` = loss / ln 2)."""
+  """The workload's metric from an evaluation (``bits_per_byte`` = loss / ln 2)."""
   if metric == "bits_per_byte":
     return test_metrics.get("bits_per_byte", test_metrics["loss"] / math.log(2.0))
   return test_metrics["accuracy"]
 
 
-def mean_std(values, fmt: str = "{:.3f}") -> str:
-  """``mean +- std`` over seeds (population std; one value: the value)."""
-  values = [v for v in values if v is not None]
-  if not values:
-    return "-"
-  if len(values) == 1:
-    return fmt.format(values[0])
-  return f"{fmt.format(float(np.mean(values)))} +- {fmt.format(float(np.std(values)))}"
+def with_metric(rows: list[dict], metric: str) -> list[dict]:
+  """Metrics rows of :func:`dadjax.run.train` with ``test_<metric>`` filled (a language model's
+  bits per byte from its test loss when its metrics lack it)."""
+  key = f"test_{metric}"
+  return [row if key in row else {**row, key: metric_of(
+      {k[len("test_"):]: v for k, v in row.items() if k.startswith("test_")}, metric)}
+          for row in rows]

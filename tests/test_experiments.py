@@ -101,7 +101,7 @@ def test_dad_workload_quick(tmp_path):
   text = (tmp_path / "dad.md").read_text()
   for part in ("text_lm_iid", "text_lm_non_iid"):
     assert f"### {part}: transformer_lm" in text and (tmp_path / f"dad_{part}.png").exists()
-  assert "| rank_dad:2 |" in text and " +- " in text and "seeds 0,1" in text
+  assert "| rank_dad:2 |" in text and " ± " in text and "seeds 0,1" in text
   assert "wire bits/step/site (ring, N=8)" in text and "Measured:" in text
 
 
