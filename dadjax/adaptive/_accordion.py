@@ -20,6 +20,7 @@ Then the detector takes this step's uncompressed local gradient (see
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -102,9 +103,6 @@ def accordion(
 ) -> optax.GradientTransformationExtraArgs:
   """Accordion: compress with ``low`` in critical regimes and ``high`` elsewhere.
 
-  Long because it is one optax factory: its init/update closures share the two settings, the
-  detector and the per-tensor switch.
-
   Per tensor with ndim >= 2 (a one-leaf tree given to
   :func:`dadjax.compress.exchange`, with the tensor's own keys and state):
   ``low`` when the detector marks it critical, else ``high``. Tensors with
@@ -114,13 +112,9 @@ def accordion(
   after a learning-rate decrease until the next check); the step's
   uncompressed local gradient then enters the detector.
 
-  Collectives: a group of ``B`` equal-shape tensors is exchanged in
-  ``floor(log2 B) + 1`` batches (static chunks of sizes 1, 2, 4, ... and a
-  remainder, filled by decision so that each holds one setting's members),
-  so a step compiles ``2 (floor(log2 B) + 1)`` exchanges per shape group
-  instead of two per tensor. Whether a group's tensors agree or not, each
-  sends exactly its chosen setting's payload (the per-tensor decisions'
-  bits), and the ledger records what was sent.
+  Collectives (module docstring): ``2 (floor(log2 B) + 1)`` exchanges per
+  group of ``B`` equal-shape tensors; each tensor sends exactly its chosen
+  setting's payload, and the ledger records what was sent.
 
   Memory (``share_memory=True``): when both settings keep a residual memory
   of the same shape (both ``error_feedback(...)`` of some compressor, or both
@@ -169,6 +163,29 @@ def accordion(
     Gradient Communication via Critical Learning Regime Identification",
     MLSys 2021 (https://arxiv.org/abs/2010.16248).
   """
+  opts = _check_options(low, high, window, interval, eta, lr_schedule, axis_name, seed,
+                        share_memory)
+  # a leaf stacked by nn.scan is L tensors: L detectors, L decisions, L exchanges
+  return per_layer(optax.GradientTransformationExtraArgs(functools.partial(_init, opts),
+                                                         functools.partial(_update, opts)))
+
+
+class _Options(NamedTuple):
+  """The options of :func:`accordion`, checked."""
+
+  low: Compressor
+  high: Compressor
+  window: int
+  interval: int
+  eta: float
+  lr_schedule: Callable[[jax.Array], jax.Array] | None
+  axis_name: str | None
+  seed: int
+  share_memory: bool
+
+
+def _check_options(low, high, window, interval, eta, lr_schedule, axis_name, seed,
+                   share_memory) -> _Options:
   for name, c in (("low", low), ("high", high)):
     if not isinstance(c, Compressor):
       raise ValueError(f"{name} must be a dadjax.compress.Compressor, got {type(c).__name__}")
@@ -179,63 +196,72 @@ def accordion(
     raise ValueError(f"seed must be an int, got {seed!r}")
   if not isinstance(share_memory, bool):
     raise ValueError(f"share_memory must be a bool, got {share_memory!r}")
+  return _Options(low, high, window, interval, eta, lr_schedule, axis_name, seed, share_memory)
 
-  def init_fn(params):
-    leaves = jax.tree.leaves(params)
-    lows, highs, memory = [], [], []
-    for x in leaves:
-      if not compressed(x):
-        lows.append(()), highs.append(()), memory.append(())
-        continue
-      a, b = low.init((x,)), high.init((x,))
-      if share_memory:
-        a, b, m = split_memory(a, b)
-      else:
-        m = ()
-      lows.append(a), highs.append(b), memory.append(m)
-    flags = jnp.asarray([compressed(x) for x in leaves], bool)
-    return AccordionState(jnp.zeros([], jnp.int32), detector_init(params), tuple(lows),
-                          tuple(highs), tuple(memory), flags, jnp.zeros([len(leaves)], bool),
-                          jnp.float32(-1.0), ledger_init())
 
-  def update_fn(updates, state, params=None, *, lr_decreased=None, **extra):
-    require_whole_leaves("accordion", shardable_compressors)  # its decisions read per-tensor gradient norms
-    del params, extra
-    leaves, treedef = jax.tree.flatten(updates)
-    detector = state.detector
-    if lr_schedule is not None:
-      detector = detector_lr_decrease(detector, _lr_decreased(lr_schedule, state.count))
-      lr = jnp.asarray(lr_schedule(state.count), jnp.float32)
+def _init(opts: _Options, params) -> AccordionState:
+  """Every decision critical; per compressed leaf a state of each setting (and one shared memory)."""
+  leaves = jax.tree.leaves(params)
+  lows, highs, memory = [], [], []
+  for x in leaves:
+    if not compressed(x):
+      lows.append(()), highs.append(()), memory.append(())
+      continue
+    a, b = opts.low.init((x,)), opts.high.init((x,))
+    if opts.share_memory:
+      a, b, m = split_memory(a, b)
     else:
-      lr = state.lr
-    if lr_decreased is not None:
-      detector = detector_lr_decrease(detector, lr_decreased)
-    keys = step_keys(seed, state.count, axis_name)
+      m = ()
+    lows.append(a), highs.append(b), memory.append(m)
+  flags = jnp.asarray([compressed(x) for x in leaves], bool)
+  return AccordionState(jnp.zeros([], jnp.int32), detector_init(params), tuple(lows),
+                        tuple(highs), tuple(memory), flags, jnp.zeros([len(leaves)], bool),
+                        jnp.float32(-1.0), ledger_init())
 
-    means, lows, highs, memory, reduce, gather, reduce_calls, gather_calls = switch(
-        low, high, leaves, detector.critical, state.low, state.high, state.memory, keys,
-        axis_name)
-    # The uncompressed tensors ride in the detector's all-reduce (one buffer with the norms).
-    raw = [i for i, x in enumerate(leaves) if not compressed(x)]
-    sent_low = state.compressed & detector.critical
-    detector, exchanged, averaged = detector_update_with(
-        detector, updates, tuple(leaves[i].astype(jnp.float32) for i in raw), window=window,
-        interval=interval, eta=eta, axis_name=axis_name)
-    for i, v in zip(raw, averaged):
-      means[i] = v.astype(leaves[i].dtype)
-    raw_bits = tree_dense_bits(averaged)
-    reduce = bits_add(reduce, bits_add(bits_const(raw_bits),
-                                       bits_from_count(exchanged, norm_bits(detector))))
-    reduce_calls = reduce_calls + jnp.where(exchanged | bool(raw), 1, 0).astype(jnp.int32)
-    comm = ledger_record(state.comm, reduce=reduce, gather=gather,
-                         dense=tree_dense_bits(updates), reduce_calls=reduce_calls,
-                         gather_calls=gather_calls)
-    new_state = AccordionState(state.count + 1, detector, lows, highs, memory,
-                               state.compressed, sent_low, lr, comm)
-    return jax.tree.unflatten(treedef, means), new_state
 
-  # a leaf stacked by nn.scan is L tensors: L detectors, L decisions, L exchanges
-  return per_layer(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+def _learning_rate(opts: _Options, state: AccordionState, lr_decreased) -> tuple:
+  """The detector told of a learning-rate decrease (schedule or caller), and the step's lr."""
+  detector = state.detector
+  if opts.lr_schedule is not None:
+    detector = detector_lr_decrease(detector, _lr_decreased(opts.lr_schedule, state.count))
+    lr = jnp.asarray(opts.lr_schedule(state.count), jnp.float32)
+  else:
+    lr = state.lr
+  if lr_decreased is not None:
+    detector = detector_lr_decrease(detector, lr_decreased)
+  return detector, lr
+
+
+def _update(opts: _Options, updates, state: AccordionState, params=None, *, lr_decreased=None,
+            **extra):
+  """Exchange each tensor with its decision's setting; the rest and the norms in one all-reduce."""
+  require_whole_leaves("accordion", shardable_compressors)  # its decisions read per-tensor gradient norms
+  del params, extra
+  leaves, treedef = jax.tree.flatten(updates)
+  detector, lr = _learning_rate(opts, state, lr_decreased)
+  keys = step_keys(opts.seed, state.count, opts.axis_name)
+
+  means, lows, highs, memory, reduce, gather, reduce_calls, gather_calls = switch(
+      opts.low, opts.high, leaves, detector.critical, state.low, state.high, state.memory, keys,
+      opts.axis_name)
+  # The uncompressed tensors ride in the detector's all-reduce (one buffer with the norms).
+  raw = [i for i, x in enumerate(leaves) if not compressed(x)]
+  sent_low = state.compressed & detector.critical
+  detector, exchanged, averaged = detector_update_with(
+      detector, updates, tuple(leaves[i].astype(jnp.float32) for i in raw), window=opts.window,
+      interval=opts.interval, eta=opts.eta, axis_name=opts.axis_name)
+  for i, v in zip(raw, averaged):
+    means[i] = v.astype(leaves[i].dtype)
+  raw_bits = tree_dense_bits(averaged)
+  reduce = bits_add(reduce, bits_add(bits_const(raw_bits),
+                                     bits_from_count(exchanged, norm_bits(detector))))
+  reduce_calls = reduce_calls + jnp.where(exchanged | bool(raw), 1, 0).astype(jnp.int32)
+  comm = ledger_record(state.comm, reduce=reduce, gather=gather,
+                       dense=tree_dense_bits(updates), reduce_calls=reduce_calls,
+                       gather_calls=gather_calls)
+  new_state = AccordionState(state.count + 1, detector, lows, highs, memory,
+                             state.compressed, sent_low, lr, comm)
+  return jax.tree.unflatten(treedef, means), new_state
 
 
 def _is_accordion(x) -> bool:
@@ -273,11 +299,12 @@ def accordion_row(state: Any, params: Any = None, *, site: int = 0) -> dict:
     site: the site to read when the state is stacked.
 
   Returns:
-    ``{"accordion/step": int, "accordion/window": int, "accordion/lr":
-    float (only with a schedule), "accordion/low/<name>": 0 | 1 (sent with
-    ``low`` in the last step; ndim <= 1 tensors are absent),
-    "accordion/critical/<name>": 0 | 1 (decision for the next step),
-    "accordion/norm/<name>": float (last window's all-reduced norm)}``.
+    A dict of host values: ``"accordion/step"`` (int), ``"accordion/window"``
+    (int), ``"accordion/lr"`` (float, only with a schedule),
+    ``"accordion/low/<name>"`` (0 | 1, sent with ``low`` in the last step;
+    ndim <= 1 tensors are absent), ``"accordion/critical/<name>"`` (0 | 1,
+    decision for the next step), ``"accordion/norm/<name>"`` (float, last
+    window's all-reduced norm).
   """
   acc = find_accordion_state(state)
   count = host_array(acc.count)

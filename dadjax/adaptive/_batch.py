@@ -198,10 +198,11 @@ def batch_row(state: Any, *, site: int = 0) -> dict:
     site: the site to read when stacked (all sites agree).
 
   Returns:
-    ``{"accordion_batch/micro": int, "accordion_batch/k": int (current cycle),
-    "accordion_batch/last_k": int, "accordion_batch/updates": int,
-    "accordion_batch/critical": 0 | 1, "accordion_batch/norm": float}`` and
-    ``"accordion_batch/lr"`` with a schedule.
+    A dict of host values: ``"accordion_batch/micro"`` (int),
+    ``"accordion_batch/k"`` (int, current cycle), ``"accordion_batch/last_k"``
+    (int), ``"accordion_batch/updates"`` (int), ``"accordion_batch/critical"``
+    (0 | 1), ``"accordion_batch/norm"`` (float), and ``"accordion_batch/lr"``
+    with a schedule.
   """
   found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, AccordionBatchState))
            if isinstance(x, AccordionBatchState)]

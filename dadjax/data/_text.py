@@ -123,8 +123,8 @@ def text_windows(data: Union[bytes, np.ndarray], seq_len: int,
       byte is a target exactly once).
 
   Returns:
-    ``(inputs, targets)``, int32 ``(n, seq_len)`` each with ``targets[:, t]
-    == inputs[:, t + 1]``, ``n = (len(data) - seq_len - 1) // stride + 1``
+    ``(inputs, targets)``, int32 ``(n, seq_len)`` each with
+    ``targets[:, t] == inputs[:, t + 1]``, ``n = (len(data) - seq_len - 1) // stride + 1``
     (0 when the stream is shorter than ``seq_len + 1``). Both are views of
     one ``(n, seq_len + 1)`` array.
   """

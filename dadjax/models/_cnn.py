@@ -10,9 +10,10 @@ class CNN(nn.Module):
   """LeNet-style conv net: ``[conv3x3 -> relu -> avgpool2x2] * len(features)``,
   flatten, dense ``hidden`` + relu, dense head.
 
-  Input:  images ``(batch, H, W, C)`` (NHWC), e.g. ``(b, 8, 8, 1)`` digits or
-          ``(b, 32, 32, 3)`` CIFAR. ``H`` and ``W`` must be divisible by
-          ``2 ** len(features)``.
+  Input: images ``(batch, H, W, C)`` (NHWC), e.g. ``(b, 8, 8, 1)`` digits or
+  ``(b, 32, 32, 3)`` CIFAR. ``H`` and ``W`` must be divisible by
+  ``2 ** len(features)``.
+
   Output: logits ``(batch, num_classes)``.
 
   Attributes:

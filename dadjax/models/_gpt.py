@@ -264,11 +264,12 @@ class GPT(nn.Module):
   ``ln_final`` -> logits by the embedding's transpose (tied) or a ``head``
   projection ``("embed", "vocab")``.
 
-  Input:  int tokens ``(batch, T)`` in ``[0, vocab_size)``, ``T <= max_len``.
+  Input: int tokens ``(batch, T)`` in ``[0, vocab_size)``, ``T <= max_len``.
+
   Output: fp32 logits ``(batch, T, vocab_size)``; position ``t`` sees tokens
-          ``0..t`` only. With the train step's default loss
-          (:func:`dadjax.parallel.classification_loss`) the loss is the mean
-          next-token cross entropy.
+  ``0..t`` only. With the train step's default loss
+  (:func:`dadjax.parallel.classification_loss`) the loss is the mean
+  next-token cross entropy.
 
   Attributes:
     num_layers, d_model, num_heads, mlp_dim: sizes (``d_model`` divisible by

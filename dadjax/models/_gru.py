@@ -151,8 +151,9 @@ class GRUTimeRows(nn.Module):
 class GRUClassifier(nn.Module):
   """Single-layer GRU; classifies from the final hidden state.
 
-  Input:  float ``(batch, T, features)``, or int tokens ``(batch, T)`` when
-          ``vocab_size`` is given (embedded with ``nn.Embed``).
+  Input: float ``(batch, T, features)``, or int tokens ``(batch, T)`` when
+  ``vocab_size`` is given (embedded with ``nn.Embed``).
+
   Output: logits ``(batch, num_classes)``.
 
   The input-to-hidden projection (``3 * hidden``, named ``"ih"``) is applied

@@ -26,9 +26,10 @@ class TransformerLM(nn.Module):
   ``dense`` layers) -> ``ln_final`` -> ``head`` (``dense(num_classes)``) at
   every position.
 
-  Input:  int tokens ``(batch, T)`` in ``[0, vocab_size)``, ``T <= max_len``.
+  Input: int tokens ``(batch, T)`` in ``[0, vocab_size)``, ``T <= max_len``.
+
   Output: logits ``(batch, T, num_classes)``; position ``t`` sees tokens
-          ``0..t`` only.
+  ``0..t`` only.
 
   Attributes:
     num_layers: decoder blocks (default 2).
@@ -84,8 +85,9 @@ class TransformerLM(nn.Module):
 class LSTMStep(nn.Module):
   """One LSTM time step given the pre-computed input projection.
 
-  Inputs:  carry ``(c, h)``, each ``(batch, hidden)``; ``xp`` ``(batch, 4
-           hidden)`` = ``W_i x_t + b_i`` (gates i, f, g, o).
+  Inputs: carry ``(c, h)``, each ``(batch, hidden)``; ``xp``
+  ``(batch, 4 hidden)`` = ``W_i x_t + b_i`` (gates i, f, g, o).
+
   Returns: ``((c_new, h_new), h_new)``.
 
   The hidden-to-hidden map ``W_h h + b_h`` is a ``dense(4 hidden)`` layer

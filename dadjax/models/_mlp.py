@@ -9,8 +9,9 @@ import jax.numpy as jnp
 class MLP(nn.Module):
   """ReLU MLP on flattened inputs.
 
-  Input:  ``(batch, ...)`` float array; everything after the batch axis is
-          flattened.
+  Input: ``(batch, ...)`` float array; everything after the batch axis is
+  flattened.
+
   Output: logits ``(batch, num_classes)``.
 
   Attributes:

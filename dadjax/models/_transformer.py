@@ -86,8 +86,10 @@ class Transformer(nn.Module):
       as in ViT.
     * neither: float ``(batch, T, features)`` -> ``dense(d_model)``
       (``input_proj``).
+
   A learned positional embedding ``pos_embed`` ``(max_len, d_model)``
   (normal(0.02) init) is added, sliced to the first ``T`` positions.
+
   Output: logits ``(batch, num_classes)``.
 
   Attributes:

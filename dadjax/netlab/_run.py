@@ -54,7 +54,7 @@ class LabRun:
 
   @property
   def step_time(self) -> float:
-    """Seconds per optimizer step after the first (compiling) step: :meth:`period_step_time`.
+    """Seconds per optimizer step after the first (compiling) step (:meth:`period_step_time`).
 
     The median step; for a method that communicates on some steps only (a
     local-update ledger, ``ledger["exchange_rate"] = 1 / H``) the mean per
