@@ -24,7 +24,7 @@ WORD_BITS = 32
 
 
 def code_bits(num_values: int) -> int:
-  """Bits needed for codes ``0 .. num_values - 1``: ``ceil(log2(num_values))``, at least 1."""
+  """Bits needed for codes ``0`` to ``num_values - 1``: ``ceil(log2(num_values))``, at least 1."""
   return max(1, (num_values - 1).bit_length())
 
 
