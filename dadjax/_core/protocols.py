@@ -435,3 +435,17 @@ class BatchStage(NamedTuple):
 
   init: Callable[[Any], Any]
   apply: Callable[[StageContext, Any, Any, Any], StageOutput]
+
+
+__all__ = [
+    # marks
+    "COMMUNICATES", "BOOKS_MODEL_COMM", "ANY_POSITION", "declares", "find_declared",
+    "AfterLocalState", "after_local_state",
+    # collection rules
+    "CollectionRule", "REPLACE", "AVERAGE", "register_rule", "get_rule", "registered_rules",
+    "differentiated", "resolve_rules",
+    # reporting
+    "nodes", "merge_rows", "collect_rows", "has_evaluation_params", "evaluation_params",
+    # batch stages
+    "GradResult", "StageContext", "StageOutput", "BatchStage",
+]

@@ -40,27 +40,27 @@ for every sharding and process, and nothing is copied to the host.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
 import pathlib
 import shutil
 import sys
-import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path import step as step_lib
 
 from dadjax.comm import host_array
+from dadjax.run import _orbax_internals
 from dadjax.run._config import Config
 from dadjax.errors import CheckpointError, DivergenceError
 from dadjax._core.procs import pid_alive
@@ -85,6 +85,8 @@ class _QuietFailedWriters(logging.Filter):
 
   Every such failure reaches the caller of :meth:`CheckpointDir.save` /
   :meth:`CheckpointDir.close` as one :class:`~dadjax.errors.CheckpointError`.
+  Installed on the ``absl`` logger by a :class:`CheckpointDir` for its life
+  (orbax's writer threads log while the run goes on), removed by its close.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
@@ -92,14 +94,28 @@ class _QuietFailedWriters(logging.Filter):
                 and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
 
 
-logging.getLogger("absl").addFilter(_QuietFailedWriters())
-
-
 class _DroppedWrites(logging.Filter):
   """After a failed save: drop asyncio's note of the failed writers' futures left unread."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     return "exception was never retrieved" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _dropping_failed_writes() -> Iterator[None]:
+  """While stopping a failed save's writers: their never-run coroutines and unread futures are
+  dropped on purpose, so Python's "never awaited" warning and asyncio's "never retrieved" note
+  are silenced, for this block only (it collects them before it ends)."""
+  dropped = _DroppedWrites()
+  asyncio_log = logging.getLogger("asyncio")
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+    asyncio_log.addFilter(dropped)
+    try:
+      yield
+      gc.collect()
+    finally:
+      asyncio_log.removeFilter(dropped)
 
 
 def _say(message: str) -> None:
@@ -198,18 +214,32 @@ class Restored:
   data: Any = None
 
 
-class _OwnSteps(step_lib._StandardNameFormat):  # pylint: disable=protected-access
+class _OwnSteps(ocp.step.NameFormat):
   """orbax's standard step names (``DIR/<step>``), counting only dadjax's own steps.
 
   A step directory is one of this run's kind if it is a real directory (not
   a symbolic link) holding the ``meta`` item; orbax then never lists,
-  restores, rotates out or deletes anything else in the directory.
+  restores, rotates out or deletes anything else in the directory. Built on
+  orbax's public ``step.standard_name_format()``, whose finds it filters.
   """
 
-  def _build_metadata(self, step_path, step=None):
-    metadata = super()._build_metadata(step_path, step)
-    if metadata is None or not _is_own_step(pathlib.Path(str(step_path))):
-      return None
+  def __init__(self):
+    self._standard = ocp.step.standard_name_format()
+
+  def __str__(self) -> str:
+    return f"dadjax's own steps of {self._standard}"
+
+  def build_name(self, step: int) -> str:
+    return self._standard.build_name(step)
+
+  def find_all(self, base_path):
+    return (m for m in self._standard.find_all(base_path)
+            if _is_own_step(pathlib.Path(str(m.path))))
+
+  def find_step(self, base_path, step: int):
+    metadata = self._standard.find_step(base_path, step)  # raises ValueError when absent
+    if not _is_own_step(pathlib.Path(str(metadata.path))):
+      raise ValueError(f"step {step} in {base_path} is not a dadjax checkpoint")
     return metadata
 
 
@@ -267,6 +297,7 @@ class CheckpointDir:
     self._restarted = restart
     self._manager = None
     self._pipeline = pipeline
+    self._quiet = _QuietFailedWriters()
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
       if jax.process_index() == 0:
@@ -274,6 +305,8 @@ class CheckpointDir:
     except OSError as e:
       raise CheckpointError(f"checkpoint_dir {str(self.directory)!r} cannot be used: "
                             f"{e.strerror or e}") from e
+    logging.getLogger("absl").addFilter(self._quiet)  # removed by close()
+    _orbax_internals.settle_failed_loops()  # a failed save's error stays one line
     try:
       self._manager = ocp.CheckpointManager(
           self.directory, options=ocp.CheckpointManagerOptions(
@@ -347,6 +380,7 @@ class CheckpointDir:
           self._failed(e, manager)
         manager.close()
     finally:
+      logging.getLogger("absl").removeFilter(self._quiet)
       if self._lock_fd is not None:
         os.ftruncate(self._lock_fd, 0)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -355,11 +389,12 @@ class CheckpointDir:
 
   def _failed(self, error: BaseException, manager) -> None:
     """A save failed: stop orbax's writers, remove the half-written step, raise CheckpointError."""
-    stop_writer_threads()
-    try:
-      manager.close()
-    except Exception:  # pylint: disable=broad-except
-      pass
+    with _dropping_failed_writes():
+      _orbax_internals.stop_writer_threads()
+      try:
+        manager.close()
+      except Exception:  # pylint: disable=broad-except
+        pass
     step = self._saving
     for tmp in (self.directory.glob(f"{step}.orbax-checkpoint-tmp*") if step is not None else ()):
       if tmp.is_dir() and not tmp.is_symlink():
@@ -647,95 +682,6 @@ def _is_enospc(error: BaseException) -> bool:
   return False
 
 
-def stop_writer_threads(timeout_s: float = 5.0) -> list[str]:
-  """Cancel orbax's background writer threads that wait for a failed save.
-
-  orbax runs each part of an asynchronous save in a (non-daemon) thread that
-  waits for a signal from the part before it; when that part fails, the
-  others would wait for their timeout and keep the process from exiting.
-  Each is cancelled and woken.
-
-  Returns:
-    The names of the threads still alive after ``timeout_s``.
-  """
-  # pylint: disable=g-import-not-at-top,protected-access
-  from orbax.checkpoint._src.futures import future
-  threads = [t for t in threading.enumerate()
-             if isinstance(t, future._SignalingThread) and t.is_alive()]
-  for t in threads:
-    try:
-      t._cancelled = True  # pylint: disable=protected-access  (cancel() needs a live loop)
-      future.set_signals(t._receive_signals, operation_id=t._operation_id)
-    except Exception:  # pylint: disable=broad-except
-      pass
-  for t in threads:
-    threading.Thread.join(t, timeout_s / max(1, len(threads)))  # orbax's join re-raises
-  # The cancelled writers' coroutines and futures are dropped unawaited; that is intended.
-  warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-  logging.getLogger("asyncio").addFilter(_DroppedWrites())
-  return [t.name for t in threads if t.is_alive()]
-
-
-def _settle(loop, timeout_s: float = 30.0) -> None:
-  """Run ``loop`` until the tasks still pending on it are done (at most ``timeout_s``, then
-  cancel the rest), and read their exceptions so that none is reported as unread."""
-  pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-  if pending:
-    loop.run_until_complete(asyncio.wait(pending, timeout=timeout_s))
-    rest = [t for t in pending if not t.done()]
-    for t in rest:
-      t.cancel()
-    if rest:
-      loop.run_until_complete(asyncio.wait(rest, timeout=1.0))
-  for t in pending:
-    if t.done() and not t.cancelled():
-      t.exception()
-
-
-def _settle_orbax_loops() -> None:
-  """Let a failed orbax operation's other writes finish before its event loop closes.
-
-  orbax runs each synchronous part of a save in a fresh event loop
-  (``asyncio_utils._run_sync_via_new_loop``: ``run_until_complete``, then
-  ``close``). When one TensorStore write fails (no space left, a read-only or
-  vanished directory), the gathering coroutine raises at once and the loop is
-  closed while the other writes' tasks still await their TensorStore futures;
-  each of those futures later completes on a TensorStore thread, whose
-  callback posts to the closed loop (``call_soon_threadsafe``) and prints
-  "Exception ignored ... RuntimeError: Event loop is closed" (and the
-  abandoned tasks print "Task was destroyed but it is pending"). Here the
-  loop, when its coroutine raised, first runs until those tasks are done
-  (each fails or finishes within moments; at most 30 s, then they are
-  cancelled), then closes. A success is untouched. A no-op if this orbax has
-  no such function.
-  """
-  # pylint: disable=g-import-not-at-top,protected-access
-  try:
-    from orbax.checkpoint._src import asyncio_utils
-  except ImportError:
-    return
-  original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
-  if original is None or getattr(original, "_dadjax_settles", False):
-    return
-
-  def run(coro):
-    loop = asyncio.new_event_loop()
-    try:
-      asyncio.set_event_loop(loop)
-      try:
-        return loop.run_until_complete(coro)
-      except BaseException:
-        _settle(loop)
-        raise
-    finally:
-      asyncio.set_event_loop(None)
-      loop.close()
-
-  run._dadjax_settles = True
-  run.__doc__ = original.__doc__
-  asyncio_utils._run_sync_via_new_loop = run
-
-
 def _file_id(st: os.stat_result) -> tuple[int, int]:
   return st.st_dev, st.st_ino
 
@@ -765,6 +711,3 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text("".join(line + "\n" for line in kept))
   os.replace(tmp, path)
-
-
-_settle_orbax_loops()
