@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -115,9 +116,6 @@ def powersgd(
 ) -> Compressor:
   """PowerSGD: low-rank gradient compression by distributed power iteration.
 
-  Long because it is one compressor factory: its compress/exchange closures share rank, warm start
-  and the error-feedback memory.
-
   Each tensor with at least 2 dimensions is viewed as a matrix ``M`` of
   shape ``(prod(shape[:-1]), shape[-1])`` (a conv kernel (kh, kw, cin,
   cout) becomes (kh*kw*cin, cout)). One power iteration (per ``iters``):
@@ -167,111 +165,141 @@ def powersgd(
   if (isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, numbers.Real)
       or not min_compression_rate >= 0):
     raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}")
+  opts = _Options(rank, iters, bool(warm_start), bool(error_feedback), min_compression_rate)
+  bound = lambda f: functools.partial(f, opts)
+  return Compressor(bound(_init), bound(_compress), bound(_decompress), bound(_bits), "reduce",
+                    None, bound(_exchange), memory=opts.error_feedback, name="powersgd")
 
-  def plan_of(tree) -> _Plan:
-    return _make_plan([tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)], rank,
-                      min_compression_rate)
 
-  def init(params):
-    check_float_leaves(params, "powersgd")
-    plan = plan_of(params)
-    q = tuple(jnp.zeros((len(g.leaves), g.n, g.r), jnp.float32) for g in plan.groups)
-    memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
-    return PowerSGDState(q if warm_start else (), memory if error_feedback else ())
+class _Options(NamedTuple):
+  """The options of :func:`powersgd`, checked."""
 
-  def start_qs(plan, state, key: Keys, grads):
-    # Keyed by the group's first leaf path: independent of which other
-    # leaves this transform sees (e.g. under optax.partition).
-    items = jax.tree_util.tree_flatten_with_path(grads)[0]
-    paths = [leaf_path(items[g.leaves[0]][0]) for g in plan.groups]
-    shapes = [(len(g.leaves), g.n, g.r) for g in plan.groups]
-    if seg.batched_draws(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
-      lay = seg.layout([math.prod(sh) for sh in shapes])
-      keys = derive_keys(key.shared, [("powersgd", "start_q", p) for p in paths])
-      fresh = [x.reshape(sh) for x, sh in zip(seg.split(seg.segment_normal(keys, lay), lay), shapes)]
+  rank: int
+  iters: int
+  warm_start: bool
+  error_feedback: bool
+  min_compression_rate: float
+
+
+def _plan_of(opts: _Options, tree) -> _Plan:
+  return _make_plan([tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)], opts.rank,
+                    opts.min_compression_rate)
+
+
+def _init(opts: _Options, params) -> PowerSGDState:
+  check_float_leaves(params, "powersgd")
+  plan = _plan_of(opts, params)
+  q = tuple(jnp.zeros((len(g.leaves), g.n, g.r), jnp.float32) for g in plan.groups)
+  memory = tuple(jnp.zeros((len(g.leaves), g.m, g.n), jnp.float32) for g in plan.groups)
+  return PowerSGDState(q if opts.warm_start else (), memory if opts.error_feedback else ())
+
+
+def _start_qs(opts: _Options, plan: _Plan, state: PowerSGDState, key: Keys, grads) -> list:
+  """Each group's starting ``Q``: the warm start, or a shared normal draw where there is none."""
+  # Keyed by the group's first leaf path: independent of which other
+  # leaves this transform sees (e.g. under optax.partition).
+  items = jax.tree_util.tree_flatten_with_path(grads)[0]
+  paths = [leaf_path(items[g.leaves[0]][0]) for g in plan.groups]
+  shapes = [(len(g.leaves), g.n, g.r) for g in plan.groups]
+  if seg.batched_draws(key.shared) and len(shapes) > 1:  # the same draws from one threefry call
+    lay = seg.layout([math.prod(sh) for sh in shapes])
+    keys = derive_keys(key.shared, [("powersgd", "start_q", p) for p in paths])
+    fresh = [x.reshape(sh) for x, sh in zip(seg.split(seg.segment_normal(keys, lay), lay), shapes)]
+  else:
+    fresh = [jax.random.normal(derive_key(key.shared, "powersgd", "start_q", p), sh)
+             for p, sh in zip(paths, shapes)]
+  if not opts.warm_start:
+    return fresh
+  alive = [jnp.sum(prev * prev, axis=1, keepdims=True) > 0 for prev in state.q]
+  return [jnp.where(a, prev, f) for a, prev, f in zip(alive, state.q, fresh)]
+
+
+def _iterate(opts: _Options, ms: list, qs: list, raw: tuple, psum):
+  """``iters`` power iterations on the stacked matrices ``ms``; the raw tensors ride the first psum.
+
+  Returns:
+    ``(ps, q_local, qs, raw_sum)``: orthogonalized summed ``P``, this site's
+    ``Q``, the summed ``Q`` and the summed raw tensors.
+  """
+  raw_sum = psum(raw) if raw and not ms else raw
+  ps, q_local = [], []
+  for it in range(opts.iters if ms else 0):
+    ps = [jnp.einsum("bmn,bnr->bmr", m, q) for m, q in zip(ms, qs)]
+    if it == 0 and raw:
+      ps, raw_sum = psum((ps, raw))
     else:
-      fresh = [jax.random.normal(derive_key(key.shared, "powersgd", "start_q", p), sh)
-               for p, sh in zip(paths, shapes)]
-    if not warm_start:
-      return fresh
-    alive = [jnp.sum(prev * prev, axis=1, keepdims=True) > 0 for prev in state.q]
-    return [jnp.where(a, prev, f) for a, prev, f in zip(alive, state.q, fresh)]
+      ps = psum(ps)
+    ps = _orthogonalize_all(ps)
+    q_local = [jnp.einsum("bmn,bmr->bnr", m, p) for m, p in zip(ms, ps)]
+    qs = psum(q_local)
+  return ps, q_local, qs, raw_sum
 
-  def run(grads, state, key, axis_name):
-    """The distributed algorithm; returns (Exchanged, payload)."""
-    key = as_keys(key)
-    leaves, treedef = jax.tree.flatten(grads)
-    plan = plan_of(grads)
-    num_sites = axis_size(axis_name)
-    sent = []  # the Traffic of every psum, for the ledger
 
-    def psum(tree):
-      out, traffic = metered_psum(tree, axis_name)
-      sent.append(traffic)
-      return out
+def _run(opts: _Options, grads, state: PowerSGDState, key, axis_name):
+  """The distributed algorithm; returns (Exchanged, payload)."""
+  key = as_keys(key)
+  leaves, treedef = jax.tree.flatten(grads)
+  plan = _plan_of(opts, grads)
+  num_sites = axis_size(axis_name)
+  sent = []  # the Traffic of every psum, for the ledger
 
-    ms = []
-    for gi, g in enumerate(plan.groups):
-      m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
-      ms.append(m + state.memory[gi] if error_feedback else m)
-    qs = start_qs(plan, state, key, grads) if plan.groups else []
-    raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
-    raw_sum = psum(raw) if raw and not ms else raw
-    ps, q_local = [], []
-    for it in range(iters if ms else 0):
-      ps = [jnp.einsum("bmn,bnr->bmr", m, q) for m, q in zip(ms, qs)]
-      if it == 0 and raw:
-        ps, raw_sum = psum((ps, raw))
-      else:
-        ps = psum(ps)
-      ps = _orthogonalize_all(ps)
-      q_local = [jnp.einsum("bmn,bmr->bnr", m, p) for m, p in zip(ms, ps)]
-      qs = psum(q_local)
+  def psum(tree):
+    out, traffic = metered_psum(tree, axis_name)
+    sent.append(traffic)
+    return out
 
-    mean, local = list(leaves), list(leaves)
-    memory = []
-    for g, m, p, q, ql in zip(plan.groups, ms, ps, qs, q_local):
-      m_hat = jnp.einsum("bmr,bnr->bmn", p, q) / num_sites
-      mine = jnp.einsum("bmr,bnr->bmn", p, ql)
-      memory.append(m - m_hat)
-      for b, i in enumerate(g.leaves):
-        mean[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
-        local[i] = mine[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
-    for j, i in enumerate(plan.raw):
-      mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
+  ms = []
+  for gi, g in enumerate(plan.groups):
+    m = jnp.stack([leaves[i].reshape(g.m, g.n) for i in g.leaves]).astype(jnp.float32)
+    ms.append(m + state.memory[gi] if opts.error_feedback else m)
+  qs = _start_qs(opts, plan, state, key, grads) if plan.groups else []
+  raw = tuple(leaves[i].astype(jnp.float32) for i in plan.raw)
+  ps, q_local, qs, raw_sum = _iterate(opts, ms, qs, raw, psum)
 
-    new_state = PowerSGDState(
-        tuple(_orthogonalize_all([q / num_sites for q in qs])) if warm_start else (),
-        tuple(memory) if error_feedback else ())
-    traffic = traffic_add(*sent)
-    out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
-                    new_state, traffic)
-    return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)
+  mean, local = list(leaves), list(leaves)
+  memory = []
+  for g, m, p, q, ql in zip(plan.groups, ms, ps, qs, q_local):
+    m_hat = jnp.einsum("bmr,bnr->bmn", p, q) / num_sites
+    mine = jnp.einsum("bmr,bnr->bmn", p, ql)
+    memory.append(m - m_hat)
+    for b, i in enumerate(g.leaves):
+      mean[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+      local[i] = mine[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+  for j, i in enumerate(plan.raw):
+    mean[i] = (raw_sum[j] / num_sites).astype(leaves[i].dtype)
 
-  def compress(grads, state, key):
-    check_float_leaves(grads, "powersgd")
-    out, payload = run(grads, state, key, None)
-    return payload, out.state
+  new_state = PowerSGDState(
+      tuple(_orthogonalize_all([q / num_sites for q in qs])) if opts.warm_start else (),
+      tuple(memory) if opts.error_feedback else ())
+  out = Exchanged(jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, local),
+                  new_state, traffic_add(*sent))
+  return out, PowerSGDPayload(tuple(ps), tuple(q_local), raw)
 
-  def decompress(payload, like, key):
-    del key
-    leaves, treedef = jax.tree.flatten(like)
-    plan = plan_of(like)
-    out: list[Any] = [None] * len(leaves)
-    for g, p, q in zip(plan.groups, payload.p, payload.q):
-      m_hat = jnp.einsum("bmr,bnr->bmn", p, q)
-      for b, i in enumerate(g.leaves):
-        out[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
-    for j, i in enumerate(plan.raw):
-      out[i] = payload.raw[j].astype(leaves[i].dtype)
-    return jax.tree.unflatten(treedef, out)
 
-  def bits(payload):
-    return iters * tree_nbits((payload.p, payload.q)) + tree_nbits(payload.raw)
+def _compress(opts: _Options, grads, state, key):
+  check_float_leaves(grads, "powersgd")
+  out, payload = _run(opts, grads, state, key, None)
+  return payload, out.state
 
-  def exchange_fn(grads, state, key, axis_name):
-    check_float_leaves(grads, "powersgd")
-    return run(grads, state, key, axis_name)[0]
 
-  return Compressor(init, compress, decompress, bits, "reduce", None, exchange_fn,
-                    memory=error_feedback, name="powersgd")
+def _decompress(opts: _Options, payload, like, key):
+  del key
+  leaves, treedef = jax.tree.flatten(like)
+  plan = _plan_of(opts, like)
+  out: list[Any] = [None] * len(leaves)
+  for g, p, q in zip(plan.groups, payload.p, payload.q):
+    m_hat = jnp.einsum("bmr,bnr->bmn", p, q)
+    for b, i in enumerate(g.leaves):
+      out[i] = m_hat[b].reshape(leaves[i].shape).astype(leaves[i].dtype)
+  for j, i in enumerate(plan.raw):
+    out[i] = payload.raw[j].astype(leaves[i].dtype)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _bits(opts: _Options, payload):
+  return opts.iters * tree_nbits((payload.p, payload.q)) + tree_nbits(payload.raw)
+
+
+def _exchange(opts: _Options, grads, state, key, axis_name):
+  check_float_leaves(grads, "powersgd")
+  return _run(opts, grads, state, key, axis_name)[0]
