@@ -245,10 +245,25 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
     The child's exit code; 2 when JAX aborted it because a process was lost;
     ``128 + signal`` when it died of another signal.
   """
-  import re  # pylint: disable=g-import-not-at-top
-  import signal  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
+  child, status_r = _start_worker(argv)
+  forwarded = _forward_signals(child)
+  status = ["0", None]  # the child's step and last checkpoint
+  reader = threading.Thread(target=_read_status, args=(status_r, status), daemon=True)
+  reader.start()
+  aborting, held, said = _pass_stderr(child)
+  code = child.wait()
+  reader.join(2)
+  if code >= 0:
+    return code
+  return _died(child.pid, -code, status, aborting=aborting, held=held, said=said,
+               forwarded=forwarded, process_id=process_id)
+
+
+def _start_worker(argv: list[str]):
+  """``(child, status_r)``: ``dadjax ARGV`` started as the supervised worker, and the read end
+  of the pipe its peer watch reports its step and last checkpoint on."""
+  import subprocess  # pylint: disable=g-import-not-at-top
   from dadjax.run._peers import STATUS_FD_ENV  # pylint: disable=g-import-not-at-top
   status_r, status_w = os.pipe()
   env = {**os.environ, _SUPERVISED_ENV: "1", STATUS_FD_ENV: str(status_w)}
@@ -259,6 +274,12 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
                              preexec_fn=_die_with_parent())
   finally:
     os.close(status_w)
+  return child, status_r
+
+
+def _forward_signals(child) -> list[int]:
+  """Forward the signals of ``_FORWARDED`` to ``child``; returns the list they are noted in."""
+  import signal  # pylint: disable=g-import-not-at-top
   forwarded: list[int] = []
 
   def forward(signum, frame):
@@ -271,18 +292,28 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
 
   for name in _FORWARDED:
     signal.signal(getattr(signal, name), forward)
-  status = ["0", None]  # the child's step and last checkpoint
+  return forwarded
 
-  def read_status():
-    pending = b""
-    while chunk := os.read(status_r, 4096):
-      *lines, pending = (pending + chunk).split(b"\n")
-      if lines and len(fields := lines[-1].decode(errors="replace").split()) == 2:
-        status[:] = [fields[0], None if fields[1] == "-" else fields[1]]
-    os.close(status_r)
 
-  reader = threading.Thread(target=read_status, daemon=True)
-  reader.start()
+def _read_status(status_r: int, status: list) -> None:
+  """Keep ``status`` at the last ``step checkpoint`` line the worker wrote (``-``: none)."""
+  pending = b""
+  while chunk := os.read(status_r, 4096):
+    *lines, pending = (pending + chunk).split(b"\n")
+    if lines and len(fields := lines[-1].decode(errors="replace").split()) == 2:
+      status[:] = [fields[0], None if fields[1] == "-" else fields[1]]
+  os.close(status_r)
+
+
+def _pass_stderr(child) -> tuple[bool, bytes, bool]:
+  """Pass the worker's stderr on until it closes; from JAX's abort on keep it back.
+
+  Returns:
+    ``(aborting, held, said)``: whether JAX's abort was seen, what was kept
+    back from it on (only its ``dadjax:`` lines are passed on), and whether
+    the worker printed a lost process's line itself.
+  """
+  import re  # pylint: disable=g-import-not-at-top
   out = sys.stderr.buffer
   seen = b""  # the last bytes passed on, to find a marker cut across two reads
   held = b""  # from JAX's abort on: kept back, only dadjax's own lines are passed on
@@ -309,11 +340,14 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
     out.write(line + b"\n")
   out.flush()
   said = said or any(re.match(rb"dadjax: error: process \d+ ", line) for line in own)
-  code = child.wait()
-  reader.join(2)
-  if code >= 0:
-    return code
-  signum = -code
+  return aborting, held, said
+
+
+def _died(pid: int, signum: int, status: list, *, aborting: bool, held: bytes, said: bool,
+          forwarded: list[int], process_id: int | None) -> int:
+  """The exit code (and line) of a worker that died of ``signum``."""
+  import re  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
   step, kept = status
   kept_text = (f"the last checkpoint is step {kept}" if kept is not None
                else "no checkpoint was finished")
@@ -338,7 +372,7 @@ def _supervise(argv: list[str], process_id: int | None) -> int:
     name = signal.Signals(signum).name
   except ValueError:
     name = f"signal {signum}"
-  print(f"dadjax: error: the training process (pid {child.pid}) was ended by {name} at step "
+  print(f"dadjax: error: the training process (pid {pid}) was ended by {name} at step "
         f"{step} (a signal from outside, the out-of-memory killer, or a crash: see the output "
         f"above); {kept_text}", file=sys.stderr, flush=True)
   return 128 + signum
