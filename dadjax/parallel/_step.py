@@ -202,8 +202,8 @@ class TrainStep:
     The ledger may book more (a loop body's ops appear once in the text).
 
     Returns:
-      ``{"program_bits": unconditional, "program_bits_all": with conditional
-      branches, "booked_bits": booked in the step}``.
+      A dict with ``"program_bits"`` (unconditional), ``"program_bits_all"``
+      (with conditional branches) and ``"booked_bits"`` (booked in the step).
 
     Raises:
       ValueError: the program moves more than was booked (both figures named).
