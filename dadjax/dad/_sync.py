@@ -239,10 +239,10 @@ def accordion_rows(model_state: Any, *, site: int = 0) -> dict:
     site: the site to read when the state is stacked.
 
   Returns:
-    ``{"accordion/critical/<layer>": 0 | 1 (decision for the next step),
-    "accordion/rank/<layer>": the rank the last step sent,
-    "accordion/norm/<layer>": float (last window's mean norm statistic)}``;
-    empty without such layers. ``dadjax plot`` draws the critical decisions.
+    A dict with ``"accordion/critical/<layer>"`` (0 | 1, decision for the
+    next step), ``"accordion/rank/<layer>"`` (the rank the last step sent)
+    and ``"accordion/norm/<layer>"`` (float, last window's mean norm
+    statistic); empty without such layers. ``dadjax plot`` draws the critical decisions.
   """
   row: dict = {}
   for field, key in (("critical", "critical"), ("rank_used", "rank"), ("norm", "norm")):
