@@ -304,7 +304,8 @@ class Model:
     Args:
       variables: ``{"params": ..., "dad_state": ..., "batch_stats": ...}``
         (pure dicts, as :meth:`init` returns).
-      *args, **kwargs: the module's inputs.
+      *args: the module's positional inputs.
+      **kwargs: the module's keyword inputs.
       rngs: ``{stream: key}``; each stream the module holds is reseeded.
       mutable: collection names (or ``True``) to return updated; with any,
         the result is ``(outputs, updates)`` and ``updates["comm"]`` holds
