@@ -130,10 +130,10 @@ def fingerprint(config: Config) -> dict[str, Any]:
   locations, backend and the network model), plus the library version.
   Values are JSON-normalized (tuples become lists).
   """
-  from dadjax import __version__  # pylint: disable=g-import-not-at-top
+  import dadjax  # pylint: disable=g-import-not-at-top
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
             if f.name not in FINGERPRINT_EXCLUDED}
-  values["version"] = __version__
+  values["version"] = dadjax.__version__
   return json.loads(json.dumps(values, sort_keys=True, default=str))
 
 

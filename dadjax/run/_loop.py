@@ -28,7 +28,6 @@ from dadjax import models
 import dadjax.run._peers as _peers
 import dadjax.run._signals as _signals
 from dadjax._core.protocols import collect_rows, merge_rows
-from dadjax.data._checks import check_dataset
 from dadjax.run._metrics_file import MetricsFile
 from dadjax.comm import HierarchicalNetwork, NetworkModel, host_array, report
 from dadjax.run._checkpoint import CheckpointDir, truncate_metrics
@@ -132,7 +131,7 @@ def build(config: Config):
   """
   if config.pipeline == "grain":  # each process reads only its own sites' rows, same batches
     dataset, parts, batcher = data_lib.grain_pipeline(config)
-    check_dataset(dataset)
+    data_lib.check_dataset(dataset)
   else:
     dataset, parts, batcher = _memory_data(config)
   schedule = make_schedule(config)  # one schedule: the optimizer's and the method's
@@ -173,7 +172,7 @@ def _memory_data(config: Config):
   if config.data_dir:
     dataset_kwargs["data_dir"] = config.data_dir
   dataset = data_lib.load(config.dataset, **dataset_kwargs)
-  check_dataset(dataset)  # bad data is a DataError, before any step
+  data_lib.check_dataset(dataset)  # bad data is a DataError, before any step
   groups = getattr(dataset, "groups", None)  # e.g. the file of each text window
   parts = data_lib.partition(dataset.y_train if groups is None else groups, config.num_sites,
                              scheme=config.partition,
