@@ -46,6 +46,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -147,9 +148,6 @@ def dataquant(
 ) -> BatchStage:
   """Data quantization with gradient correction and an importance gate.
 
-  Long because it is one stage factory: validation of its many options plus the closures (init,
-  apply) that share them.
-
   Args:
     bits: bits per code, in ``[1, 8]``; ``None`` sends the rows exactly, in
       their own dtype (no quantization). For ``quantizer="uniform"`` it is bits per
@@ -192,6 +190,35 @@ def dataquant(
     Hanna et al., "Quantizing data for distributed learning"
     (https://arxiv.org/abs/2012.07913).
   """
+  opts = _check_options(bits, scale, quantizer, block, kmeans_iters, correction, correct_every,
+                        gate, gate_mode, score, gate_floor, num_classes, input_key, label_key,
+                        axis_name)
+  return BatchStage(functools.partial(_init, opts), functools.partial(_apply, opts))
+
+
+class _Options(NamedTuple):
+  """The options of :func:`dataquant`, checked (see its arguments)."""
+
+  bits: int | None
+  scale: str
+  quantizer: str
+  block: int
+  kmeans_iters: int
+  correction: Compressor | None
+  correct_every: int
+  gate: float | None
+  gate_mode: str
+  score: str | Callable
+  gate_floor: float
+  num_classes: int | None
+  input_key: str
+  label_key: str
+  axis_name: str | None
+
+
+def _check_options(bits, scale, quantizer, block, kmeans_iters, correction, correct_every, gate,
+                   gate_mode, score, gate_floor, num_classes, input_key, label_key,
+                   axis_name) -> _Options:
   if bits is not None:
     bits = check_bits(bits)
   scale = check_scale(scale)
@@ -215,195 +242,257 @@ def dataquant(
   num_classes = check_num_classes(num_classes)
   if axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(f"axis_name must be a str or None, got {axis_name!r}")
+  return _Options(bits, scale, quantizer, block, kmeans_iters, correction, correct_every, gate,
+                  gate_mode, score, gate_floor, num_classes, input_key, label_key, axis_name)
 
-  def init(params):
-    z = bits_zero()
-    return DataQuantState(
-        correction=correction.init(params) if correction is not None else (),
-        codebook=jnp.zeros((1 << bits, block), jnp.float32) if quantizer == "codebook" else (),
-        codebook_ready=jnp.asarray(quantizer != "codebook"),
-        sent_rows=jnp.int32(0), useful_bits=z, padded_bits=z,
-        backward_rows=jnp.int32(0), correction_active=jnp.asarray(False))
 
-  def scores_of(ctx, params, batch):
-    if callable(score):
-      return score(ctx, params, batch)
-    if score == "loss":
-      return loss_scores(ctx.loss_fn, params, batch)
-    return grad_norm_scores(ctx.loss_fn, params, batch)
+def _init(opts: _Options, params) -> DataQuantState:
+  z = bits_zero()
+  return DataQuantState(
+      correction=opts.correction.init(params) if opts.correction is not None else (),
+      codebook=(jnp.zeros((1 << opts.bits, opts.block), jnp.float32)
+                if opts.quantizer == "codebook" else ()),
+      codebook_ready=jnp.asarray(opts.quantizer != "codebook"),
+      sent_rows=jnp.int32(0), useful_bits=z, padded_bits=z,
+      backward_rows=jnp.int32(0), correction_active=jnp.asarray(False))
 
-  def apply(ctx: StageContext, params, batch, state: DataQuantState) -> StageOutput:
-    """The stage's step: quantize, gather, correct and gate one site's batch.
 
-    Long because the steps share the gathered rows, scales and keys in one trace.
-    """
-    if ctx.axis_name != axis_name:
-      raise ValueError(f"dataquant was built for axis_name={axis_name!r} but the step runs it "
-                       f"with axis_name={ctx.axis_name!r}")
-    x, y = jnp.asarray(batch[input_key]), jnp.asarray(batch[label_key])
-    rows, feat = x.shape[0], x.shape[1:]
-    dim = math.prod(feat)
-    if y.ndim < 1 or y.shape[0] != rows:
-      raise ValueError(f"dataquant: batch[{label_key!r}] must have one row per input row, shape "
-                       f"({rows}, ...), got {y.shape}")
-    if num_classes is not None and (y.ndim != 1 or not jnp.issubdtype(y.dtype, jnp.integer)):
-      raise ValueError(f"dataquant: num_classes={num_classes} packs integer class labels of "
-                       f"shape ({rows},); batch[{label_key!r}] has shape {y.shape} and dtype "
-                       f"{y.dtype} (use num_classes=None for regression targets)")
-    y_tail = y.shape[1:]  # a regression target's shape per row; () for labels
-    xf = x.reshape(rows, dim).astype(jnp.float32)
-    if "weight" in batch:
-      w = jnp.asarray(batch["weight"], jnp.float32)
+class _Rows(NamedTuple):
+  """One site's batch as the stage reads it."""
+
+  x: jax.Array        # (rows, *feat), as given
+  y: jax.Array        # (rows, *y_tail): labels or regression targets
+  xf: jax.Array       # (rows, dim) fp32
+  w: jax.Array        # (rows,) fp32 weights (1 or the batch's "weight")
+  feat: tuple
+  y_tail: tuple       # a regression target's shape per row; () for labels
+
+  @property
+  def rows(self) -> int:
+    return self.x.shape[0]
+
+  @property
+  def dim(self) -> int:
+    return math.prod(self.feat)
+
+  @property
+  def x_dtype(self):
+    """Decoded rows keep a float input's dtype; integer inputs (e.g. uint8 pixels) become fp32."""
+    return self.x.dtype if jnp.issubdtype(self.x.dtype, jnp.floating) else jnp.float32
+
+
+def _site_rows(opts: _Options, batch) -> _Rows:
+  x, y = jnp.asarray(batch[opts.input_key]), jnp.asarray(batch[opts.label_key])
+  rows, feat = x.shape[0], x.shape[1:]
+  if y.ndim < 1 or y.shape[0] != rows:
+    raise ValueError(f"dataquant: batch[{opts.label_key!r}] must have one row per input row, "
+                     f"shape ({rows}, ...), got {y.shape}")
+  if opts.num_classes is not None and (y.ndim != 1 or not jnp.issubdtype(y.dtype, jnp.integer)):
+    raise ValueError(f"dataquant: num_classes={opts.num_classes} packs integer class labels of "
+                     f"shape ({rows},); batch[{opts.label_key!r}] has shape {y.shape} and dtype "
+                     f"{y.dtype} (use num_classes=None for regression targets)")
+  if "weight" in batch:
+    w = jnp.asarray(batch["weight"], jnp.float32)
+  else:
+    w = jnp.ones((rows,), jnp.float32)
+  return _Rows(x, y, x.reshape(rows, math.prod(feat)).astype(jnp.float32), w, feat, y.shape[1:])
+
+
+class _Gated(NamedTuple):
+  """The gate's decision: ``count`` rows sent, moved to the front by ``order`` (``None``: all)."""
+
+  count: Any
+  order: Any
+  valid: Any
+  send_w: jax.Array
+
+
+def _scores(opts: _Options, ctx: StageContext, params, batch):
+  if callable(opts.score):
+    return opts.score(ctx, params, batch)
+  if opts.score == "loss":
+    return loss_scores(ctx.loss_fn, params, batch)
+  return grad_norm_scores(ctx.loss_fn, params, batch)
+
+
+def _gate(opts: _Options, ctx: StageContext, params, batch, r: _Rows, key) -> _Gated:
+  """Step 1: a row order with the sent rows first."""
+  if opts.gate is None:
+    return _Gated(r.rows, None, None, r.w)
+  s = jax.lax.stop_gradient(_scores(opts, ctx, params, batch))
+  if opts.gate_mode == "threshold":
+    decision = threshold_gate(s, opts.gate, r.w)
+  else:
+    decision = sample_gate(s, opts.gate, key, r.w, opts.gate_floor)
+  order = jnp.argsort(jnp.logical_not(decision.mask), stable=True)
+  count = jnp.sum(decision.mask).astype(jnp.int32)
+  return _Gated(count, order, jnp.arange(r.rows) < count, decision.weight[order])
+
+
+def _compact(g: _Gated, a):
+  """Rows in gate order, padding zeroed."""
+  if g.order is None:
+    return a
+  a = a[g.order]
+  return jnp.where(g.valid.reshape((a.shape[0],) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+
+
+def _learn_codebook(opts: _Options, state: DataQuantState, xf, k_fit, s_fit):
+  """Step 2: the codebook, learned on the first batch, gathered once, merged.
+
+  Returns:
+    ``(codebook, traffic, static bits of one site's codebook)``.
+  """
+  fit = lambda: fit_codebook(xf, opts.bits, opts.block, k_fit, opts.kmeans_iters)
+  cb_static = tree_nbits(jax.eval_shape(fit))
+
+  def learn(_):
+    gathered, _ = metered_all_gather(fit(), opts.axis_name)
+    return merge_codebooks(*gathered, s_fit, opts.kmeans_iters)
+
+  codebook = jax.lax.cond(state.codebook_ready, lambda _: state.codebook, learn, None)
+  traffic = Traffic(gather=_where_bits(~state.codebook_ready, cb_static), gather_calls=1)
+  return codebook, traffic, cb_static
+
+
+def _encode(opts: _Options, r: _Rows, g: _Gated, codebook, key):
+  """Step 3: quantize every row (so ranges do not depend on the gate), then compact.
+
+  Returns:
+    ``(data, bits per row, header bits)``.
+  """
+  if opts.bits is None:  # exact rows, in their own dtype
+    return _compact(g, r.x.reshape(r.rows, r.dim)), r.dim * r.x.dtype.itemsize * 8, 0
+  if opts.quantizer == "uniform":
+    p = quantize_uniform(r.xf, opts.bits, key, opts.scale)
+    if opts.scale == "sample":
+      data = type(p)(_compact(g, p.words), _compact(g, p.offset), _compact(g, p.step))
     else:
-      w = jnp.ones((rows,), jnp.float32)
-    n_sites = axis_size(axis_name)
-    k_quant, k_gate, k_fit, k_corr = (jax.random.fold_in(ctx.key, i) for i in range(4))
-    s_fit, s_corr = (jax.random.fold_in(ctx.shared_key, i) for i in range(2))
-    send_weights = "weight" in batch or (gate is not None and gate_mode == "sample")
-    traffic = NO_TRAFFIC
-    backward = n_sites * rows
+      data = p._replace(words=_compact(g, p.words))
+    row_bits = 32 * data.words.shape[1] + (SCALE_BITS if opts.scale == "sample" else 0)
+    return data, row_bits, 0 if opts.scale == "sample" else SCALE_BITS * r.dim
+  data = _compact(g, encode_codebook(r.xf, codebook, opts.bits))
+  return data, 32 * data.shape[1], 0
 
-    # 1. The gate: a row order with the sent rows first.
-    if gate is None:
-      count, order, valid, send_w = rows, None, None, w
-    else:
-      s = jax.lax.stop_gradient(scores_of(ctx, params, batch))
-      if gate_mode == "threshold":
-        decision = threshold_gate(s, gate, w)
-      else:
-        decision = sample_gate(s, gate, k_gate, w, gate_floor)
-      order = jnp.argsort(jnp.logical_not(decision.mask), stable=True)
-      count = jnp.sum(decision.mask).astype(jnp.int32)
-      valid = jnp.arange(rows) < count
-      send_w = decision.weight[order]
-      if score == "grad_norm":
-        backward += rows
 
-    def compact(a):  # rows in gate order, padding zeroed
-      if order is None:
-        return a
-      a = a[order]
-      return jnp.where(valid.reshape((rows,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+def _decode(opts: _Options, r: _Rows, codebook, send_weights: bool, p):
+  """One site's payload -> ``(x (rows, dim) fp32, y, weight)``."""
+  if opts.bits is None:
+    xh = p["x"].astype(jnp.float32)
+  elif opts.quantizer == "uniform":
+    xh = dequantize_uniform(p["x"], opts.bits, r.dim, opts.scale)
+  else:
+    xh = decode_codebook(p["x"], codebook, opts.bits, r.dim)
+  yh = decode_labels(p["y"], opts.num_classes, r.rows, r.y.dtype)
+  wh = p["weight"] if send_weights else jnp.ones((r.rows,), jnp.float32)
+  if opts.gate is not None:
+    wh = jnp.where(jnp.arange(r.rows) < p["count"], wh, 0.0)
+  return xh, yh, wh
 
-    # 2. The codebook: learned on the first batch, gathered once, merged.
-    codebook, ready = state.codebook, state.codebook_ready
-    if quantizer == "codebook":
-      fit = lambda: fit_codebook(xf, bits, block, k_fit, kmeans_iters)
-      cb_static = tree_nbits(jax.eval_shape(fit))
 
-      def learn(_):
-        gathered, _ = metered_all_gather(fit(), axis_name)
-        return merge_codebooks(*gathered, s_fit, kmeans_iters)
+def _as_batch(opts: _Options, r: _Rows, xh, yh, wh) -> dict:
+  return {opts.input_key: xh.reshape((-1,) + r.feat).astype(r.x_dtype), opts.label_key: yh,
+          "weight": wh}
 
-      codebook = jax.lax.cond(ready, lambda _: state.codebook, learn, None)
-      traffic = traffic_add(traffic, Traffic(gather=_where_bits(~ready, cb_static),
-                                             gather_calls=1))
-      ready = jnp.asarray(True)
 
-    # 3. Quantize (every row, so ranges do not depend on the gate), then compact.
-    if bits is None:  # exact rows, in their own dtype
-      data = compact(x.reshape(rows, dim))
-      row_bits, header_bits = dim * x.dtype.itemsize * 8, 0
-    elif quantizer == "uniform":
-      p = quantize_uniform(xf, bits, k_quant, scale)
-      if scale == "sample":
-        data = type(p)(compact(p.words), compact(p.offset), compact(p.step))
-      else:
-        data = p._replace(words=compact(p.words))
-      row_bits = 32 * data.words.shape[1] + (SCALE_BITS if scale == "sample" else 0)
-      header_bits = 0 if scale == "sample" else SCALE_BITS * dim
-    else:
-      data = compact(encode_codebook(xf, codebook, bits))
-      row_bits, header_bits = 32 * data.shape[1], 0
-    wire = {"x": data, "y": encode_labels(compact(y), num_classes)}
-    if send_weights:
-      wire["weight"] = send_w
-    if gate is not None:
-      wire["count"] = count
+def _correct(opts: _Options, ctx: StageContext, params, r: _Rows, own: dict, grads,
+             state: DataQuantState, keys: Keys):
+  """Step 5: add the sites' mean correction ``g(x) - g(Q(x))``, every ``correct_every`` steps.
 
-    def decode(p):  # one site's payload -> (x (rows, D), y, weight)
-      if bits is None:
-        xh = p["x"].astype(jnp.float32)
-      elif quantizer == "uniform":
-        xh = dequantize_uniform(p["x"], bits, dim, scale)
-      else:
-        xh = decode_codebook(p["x"], codebook, bits, dim)
-      yh = decode_labels(p["y"], num_classes, rows, y.dtype)
-      wh = p["weight"] if send_weights else jnp.ones((rows,), jnp.float32)
-      if gate is not None:
-        wh = jnp.where(jnp.arange(rows) < p["count"], wh, 0.0)
-      return xh, yh, wh
+  Returns:
+    ``(grads, correction state, active, traffic, useful bits)``.
+  """
+  true_batch = {opts.input_key: r.x, opts.label_key: r.y, "weight": r.w}
+  sent = {}
 
-    # decoded rows keep a float input's dtype; integer inputs (e.g. uint8 pixels) become fp32
-    x_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+  def corrected(cstate):
+    c, _ = correction_term(ctx.grad_fn, params, true_batch, own)
+    ex = exchange(opts.correction, c, cstate, keys, opts.axis_name)
+    sent["traffic"] = ex.traffic
+    return ex.mean, ex.state, as_bits(ex.traffic.reduce), as_bits(ex.traffic.gather)
 
-    def as_batch(xh, yh, wh):
-      return {input_key: xh.reshape((-1,) + feat).astype(x_dtype), label_key: yh, "weight": wh}
+  if opts.correct_every == 1:
+    mean, corr_state, c_reduce, c_gather = corrected(state.correction)
+    c_traffic = sent["traffic"]  # static sizes stay Python ints
+    active = jnp.asarray(True)
+  else:
+    active = (ctx.step % opts.correct_every) == 0
+    skip = lambda cstate: (tree_zeros_like(grads), cstate, bits_zero(), bits_zero())
+    mean, corr_state, c_reduce, c_gather = jax.lax.cond(active, corrected, skip,
+                                                        state.correction)
+    c_traffic = Traffic(c_reduce, c_gather, sent["traffic"].reduce_calls,
+                        sent["traffic"].gather_calls)
+  grads = jax.tree.map(lambda g, m: g + m.astype(g.dtype), grads, mean)
+  return grads, corr_state, active, c_traffic, bits_add(c_reduce, c_gather)
 
-    # 4. Gather and the shared pass on every site's quantized rows.
-    gathered, gather_traffic = metered_all_gather(wire, axis_name)
-    traffic = traffic_add(traffic, gather_traffic)
-    xh, yh, wh = jax.vmap(decode)(gathered)
-    gbatch = as_batch(xh.reshape(n_sites * rows, dim), yh.reshape((n_sites * rows,) + y_tail),
-                      wh.reshape(-1))
-    result = ctx.grad_fn(params, gbatch, jax.random.fold_in(ctx.shared_key, 2))
-    grads = result.grads
 
-    # 5. The correction.
-    corr_state, active, corr_useful = state.correction, jnp.asarray(False), bits_zero()
-    if correction is not None:
-      true_batch = {input_key: x, label_key: y, "weight": w}
-      own = as_batch(*decode(wire))
-      keys = Keys(s_corr, k_corr)
-      sent = {}
+def _useful_bits(opts: _Options, r: _Rows, g: _Gated, wire: dict, row_bits: int,
+                 header_bits: int, send_weights: bool) -> Bits:
+  """Step 6: the bits of the rows actually sent (and headers, labels, weights, count)."""
+  if tree_nbits(wire) != (r.rows * row_bits + header_bits + tree_nbits(wire["y"])
+                          + (32 * r.rows if send_weights else 0)
+                          + (32 if opts.gate is not None else 0)):
+    raise AssertionError("dataquant: payload layout and bit formula disagree")
+  if opts.gate is None:
+    return bits_const(tree_nbits(wire))
+  if opts.num_classes is None:
+    label_useful = bits_from_count(g.count, r.y.dtype.itemsize * 8 * math.prod(r.y_tail))
+  else:
+    label_useful = bits_from_count((g.count + 31) // 32, 32 * code_bits(opts.num_classes))
+  return bits_sum([bits_from_count(g.count, row_bits + (32 if send_weights else 0)),
+                   bits_const(header_bits + 32), label_useful])
 
-      def corrected(cstate):
-        c, _ = correction_term(ctx.grad_fn, params, true_batch, own)
-        ex = exchange(correction, c, cstate, keys, axis_name)
-        sent["traffic"] = ex.traffic
-        return ex.mean, ex.state, as_bits(ex.traffic.reduce), as_bits(ex.traffic.gather)
 
-      if correct_every == 1:
-        mean, corr_state, c_reduce, c_gather = corrected(state.correction)
-        c_traffic = sent["traffic"]  # static sizes stay Python ints
-        active = jnp.asarray(True)
-      else:
-        active = (ctx.step % correct_every) == 0
-        skip = lambda cstate: (tree_zeros_like(grads), cstate, bits_zero(), bits_zero())
-        mean, corr_state, c_reduce, c_gather = jax.lax.cond(active, corrected, skip,
-                                                            state.correction)
-        c_traffic = Traffic(c_reduce, c_gather, sent["traffic"].reduce_calls,
-                            sent["traffic"].gather_calls)
-      grads = jax.tree.map(lambda g, m: g + m.astype(g.dtype), grads, mean)
-      traffic = traffic_add(traffic, c_traffic)
-      corr_useful = bits_add(c_reduce, c_gather)
-      backward = backward + jnp.where(active, 2 * rows, 0)
-
-    # 6. The cost: padded (traffic) and useful bits.
-    label_items = code_bits(num_classes) if num_classes is not None else None
-    if tree_nbits(wire) != (rows * row_bits + header_bits + tree_nbits(wire["y"])
-                            + (32 * rows if send_weights else 0) + (32 if gate is not None else 0)):
-      raise AssertionError("dataquant: payload layout and bit formula disagree")
-    if gate is None:
-      useful = bits_const(tree_nbits(wire))
-    else:
-      if num_classes is None:
-        label_useful = bits_from_count(count, y.dtype.itemsize * 8 * math.prod(y_tail))
-      else:
-        label_useful = bits_from_count((count + 31) // 32, 32 * label_items)
-      useful = bits_sum([bits_from_count(count, row_bits + (32 if send_weights else 0)),
-                         bits_const(header_bits + 32), label_useful])
-    if quantizer == "codebook":
-      useful = bits_add(useful, _where_bits(~state.codebook_ready, cb_static))
-    useful = bits_add(useful, corr_useful)
-    padded_bits = bits_add(as_bits(traffic.reduce), as_bits(traffic.gather))
-    new_state = DataQuantState(
-        correction=corr_state, codebook=codebook, codebook_ready=ready,
-        sent_rows=jnp.asarray(count, jnp.int32), useful_bits=useful, padded_bits=padded_bits,
-        backward_rows=jnp.asarray(backward, jnp.int32), correction_active=active)
-    # 7. What the step reports: loss and aux of this site's own rows, exact inputs.
-    site_loss, site_aux = ctx.loss_fn(params, batch)
-    out = GradResult(site_loss, site_aux, grads, result.model_state, result.extra_args)
-    return StageOutput(out, new_state, traffic)
-
-  return BatchStage(init, apply)
+def _apply(opts: _Options, ctx: StageContext, params, batch, state: DataQuantState
+           ) -> StageOutput:
+  """The stage's step: gate, quantize, gather, correct one site's batch (module docstring)."""
+  if ctx.axis_name != opts.axis_name:
+    raise ValueError(f"dataquant was built for axis_name={opts.axis_name!r} but the step runs it "
+                     f"with axis_name={ctx.axis_name!r}")
+  r = _site_rows(opts, batch)
+  rows, n_sites = r.rows, axis_size(opts.axis_name)
+  k_quant, k_gate, k_fit, k_corr = (jax.random.fold_in(ctx.key, i) for i in range(4))
+  s_fit, s_corr = (jax.random.fold_in(ctx.shared_key, i) for i in range(2))
+  send_weights = "weight" in batch or (opts.gate is not None and opts.gate_mode == "sample")
+  traffic, backward = NO_TRAFFIC, n_sites * rows
+  g = _gate(opts, ctx, params, batch, r, k_gate)
+  if opts.gate is not None and opts.score == "grad_norm":
+    backward += rows
+  codebook, ready = state.codebook, state.codebook_ready
+  if opts.quantizer == "codebook":
+    codebook, cb_traffic, cb_static = _learn_codebook(opts, state, r.xf, k_fit, s_fit)
+    traffic, ready = traffic_add(traffic, cb_traffic), jnp.asarray(True)
+  data, row_bits, header_bits = _encode(opts, r, g, codebook, k_quant)
+  wire = {"x": data, "y": encode_labels(_compact(g, r.y), opts.num_classes)}
+  if send_weights:
+    wire["weight"] = g.send_w
+  if opts.gate is not None:
+    wire["count"] = g.count
+  # 4. Gather and the shared pass on every site's quantized rows.
+  gathered, gather_traffic = metered_all_gather(wire, opts.axis_name)
+  traffic = traffic_add(traffic, gather_traffic)
+  xh, yh, wh = jax.vmap(functools.partial(_decode, opts, r, codebook, send_weights))(gathered)
+  gbatch = _as_batch(opts, r, xh.reshape(n_sites * rows, r.dim),
+                     yh.reshape((n_sites * rows,) + r.y_tail), wh.reshape(-1))
+  result = ctx.grad_fn(params, gbatch, jax.random.fold_in(ctx.shared_key, 2))
+  grads, corr_state, active, corr_useful = (result.grads, state.correction, jnp.asarray(False),
+                                            bits_zero())
+  if opts.correction is not None:
+    own = _as_batch(opts, r, *_decode(opts, r, codebook, send_weights, wire))
+    grads, corr_state, active, c_traffic, corr_useful = _correct(
+        opts, ctx, params, r, own, grads, state, Keys(s_corr, k_corr))
+    traffic = traffic_add(traffic, c_traffic)
+    backward = backward + jnp.where(active, 2 * rows, 0)
+  useful = _useful_bits(opts, r, g, wire, row_bits, header_bits, send_weights)
+  if opts.quantizer == "codebook":
+    useful = bits_add(useful, _where_bits(~state.codebook_ready, cb_static))
+  useful = bits_add(useful, corr_useful)
+  padded_bits = bits_add(as_bits(traffic.reduce), as_bits(traffic.gather))
+  new_state = DataQuantState(
+      correction=corr_state, codebook=codebook, codebook_ready=ready,
+      sent_rows=jnp.asarray(g.count, jnp.int32), useful_bits=useful, padded_bits=padded_bits,
+      backward_rows=jnp.asarray(backward, jnp.int32), correction_active=active)
+  # 7. What the step reports: loss and aux of this site's own rows, exact inputs.
+  site_loss, site_aux = ctx.loss_fn(params, batch)
+  out = GradResult(site_loss, site_aux, grads, result.model_state, result.extra_args)
+  return StageOutput(out, new_state, traffic)
