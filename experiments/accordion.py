@@ -31,31 +31,35 @@ batch steps with 8x the learning rate, the linear scaling rule)::
 Writes ``<out>/accordion.md`` (tables and the command),
 ``<out>/accordion_bits.png`` (accuracy against bits) and
 ``<out>/accordion_decisions.png`` (the decisions heat map of one run).
+
+Not :func:`dadjax.run.train`: a run keeps its own loop to charge each step's
+modeled time from the ledgers that recorded in that step (the batch mode's
+accumulating micro-steps send nothing; Accordion's step cost changes over
+time), and to keep every step's decisions for the heat map. Its totals are
+:func:`dadjax.comm.report` of the final state.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-import jax  # pylint: disable=g-import-not-at-top
-import numpy as np
+harness.host_devices(8)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-from dadjax.adaptive import plot_decisions
-from dadjax.comm import NetworkModel, comm_stats, find_comm_stats, host_array
-from dadjax.config import Config
-from dadjax.train import build, evaluate, state_rows
+from dadjax.adaptive import plot_decisions  # noqa: E402
+from dadjax.comm import NetworkModel, comm_stats, find_comm_stats, host_array, report  # noqa: E402
+from dadjax.run import Config, build, evaluate, state_rows  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import workloads  # noqa: E402
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 FAMILIES = {
     # family: (static low, static high); Accordion is accordion(low, high).
@@ -122,25 +126,19 @@ def run_one(config: Config, record_rows: bool = False) -> dict:
     state, _ = step_fn(state, {"x": x, "y": y})
     sent, counts = ledgers_that_recorded(state, counts)  # the batch mode's cycles skip steps
     if sent:
-      summary = comm_stats(sent)  # this step's bits per kind and calls
+      summary = comm_stats(sent)  # this step's ledgers: its bits per kind and calls
       for bw, net in nets.items():
-        seconds[bw] += net.step_time(summary)
+        seconds[bw] += report(summary, net).modeled_comm_s_per_step
     if record_rows:
       rows.append({"step": step + 1, **state_rows(state.opt_state, step_fn.params(state))})
   test = evaluate(step_fn, state, dataset.x_test, dataset.y_test)
   # "accuracy" holds the run's metric: test accuracy, or bits per byte for a language model.
   value = workloads.metric_of(test, "bits_per_byte" if np.ndim(dataset.y_test) == 2 else
                               "accuracy")
-  total = comm_stats(state)
-  wire = total.total_wire_bits(config.num_sites, config.topology)
-  return {"accuracy": value, "bits": total.total, "wire": wire,
+  total = report(state, nets[BANDWIDTHS[0]])
+  return {"accuracy": value, "bits": total.total_payload_bits, "wire": total.total_wire_bits,
           "time": seconds,
           "rows": rows, "wall_s": time.perf_counter() - t0, "spe": batcher.steps_per_epoch}
-
-
-def _mean_std(values) -> str:
-  values = np.asarray(values, np.float64)
-  return f"{values.mean():.4f} ± {values.std():.4f}"
 
 
 def format_tables(results: dict, args) -> str:
@@ -161,7 +159,7 @@ def format_tables(results: dict, args) -> str:
         wire = np.mean([r["wire"] for r in runs])
         t1 = np.mean([r["time"][1e9] for r in runs])
         t10 = np.mean([r["time"][10e9] for r in runs])
-        lines.append(f"| {family} | {label} | `{spec}` | {_mean_std([r['accuracy'] for r in runs])}"
+        lines.append(f"| {family} | {label} | `{spec}` | {harness.mean_std([r['accuracy'] for r in runs], '{:.4f}', '{:.4f}')}"
                      f" | {wire / 1e6:.2f} | {bits / 1e6:.2f} | {low_wire / wire:.2f} | {t1:.3f} |"
                      f" {t10:.4f} |")
     lines.append("")
@@ -191,9 +189,7 @@ def verdicts(results: dict, args) -> str:
 
 def plot_bits(results: dict, path: pathlib.Path) -> None:
   """Final accuracy against total bits per site, one panel per (model, partition)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = harness.pyplot()
   keys = list(results)
   fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
   markers = {"static low": "o", "static high": "v", "accordion": "*"}
@@ -212,9 +208,7 @@ def plot_bits(results: dict, path: pathlib.Path) -> None:
     ax.set_title(f"{key[0].upper()}, {key[1]}")
   axes[0][0].set_ylabel("final test accuracy")
   axes[0][-1].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  harness.save(fig, path)
 
 
 def _examples(wl, examples: int | None, quick: bool) -> dict:
@@ -241,7 +235,7 @@ def main(argv=None) -> int:
   parser.add_argument("--partitions", default="iid,dirichlet")
   parser.add_argument("--families", default="powersgd,topk")
   parser.add_argument("--lr", type=float, default=0.1)
-  parser.add_argument("--out", default=str(ROOT / "results"))
+  parser.add_argument("--out", default=str(harness.RESULTS))
   parser.add_argument("--workload", default=None,
                       help="comma-separated real workloads (fashion_cnn, text_lstm, ...) instead "
                       "of --models; partitions iid / non_iid")
@@ -252,7 +246,7 @@ def main(argv=None) -> int:
     args.steps = 300 if args.workload else 220
   if args.workload and args.examples is None:
     args.examples = 3200
-  args.seeds = [int(s) for s in args.seeds.split(",")]
+  args.seeds = harness.seeds(args.seeds)
   args.models = args.models.split(",")
   args.partitions = args.partitions.split(",")
   args.families = args.families.split(",")
@@ -304,7 +298,7 @@ def main(argv=None) -> int:
                   f"bits={r['bits'] / 1e6:.2f}M wall={r['wall_s']:.1f}s "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
   spe = next(iter(next(iter(results.values())).values()))["runs"][0]["spe"]
-  command = "python experiments/accordion.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  command = harness.command_line("accordion.py", sys.argv[1:] if argv is None else argv)
   where = ("embedded digits" if not args.workload else
            ", ".join(models[m].describe(args.quick) for m in args.models))
   metric = ("" if not args.workload else " The \"test acc\" column of a language model holds "
@@ -313,12 +307,12 @@ def main(argv=None) -> int:
   lr_text = f"{args.lr:g}" if not args.workload else "of the workload"
   text = "\n".join([
       f"# Accordion: static low, static high, adaptive ({where}, 8 sites)", "",
-      f"Command: `{command.strip()}` ({time.perf_counter() - t0:.0f} s on CPU, vmap backend).", "",
+      f"Command: `{command}` ({time.perf_counter() - t0:.0f} s on CPU, vmap backend).", "",
       f"Setting: {args.steps} steps ({args.steps / spe:.0f} epochs of {spe} steps), {config.batch_per_site} rows per site "
       f"per step, lr {lr_text}, `lr_schedule={decay}`, seeds "
       f"{args.seeds}. Accordion: window = 1 epoch, a check every window, eta = 0.5; "
       "every tensor critical after each LR decay until the next check. Wire bits: what each "
-      "site sends on a ring over 8 sites (`CommSummary.wire_bits`: an all-reduce of B payload "
+      "site sends on a ring over 8 sites (`dadjax.comm.report`: an all-reduce of B payload "
       "bits costs 2(N-1)/N B, an all-gather (N-1) B), summed step by step; payload bits: what "
       "each site hands to collectives (the ledger, the detector's norms included). Modeled time "
       "is `NetworkModel` (ring, 50 us per collective call) summed step by step." + metric, "",
@@ -333,8 +327,7 @@ def main(argv=None) -> int:
     config, rows = decisions
     fig = plot_decisions(rows, out / f"{args.name}_decisions.png",
                          title=f"{config.model} {config.partition} {config.method} seed {config.seed}")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-    plt.close(fig)
+    harness.pyplot().close(fig)
   print(text)
   return 0
 

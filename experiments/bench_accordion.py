@@ -17,6 +17,9 @@ bytes, 32 tokens) and the MLP 784-1024-1024-10.
 Run once on the code before a change (``--label before``) and once after; the
 rows are appended to ``--out`` under a heading with the label, the commit and
 ``uptime``'s load.
+
+Not :func:`dadjax.run.train`: it compiles the raw step on a synthetic batch
+and reads the compiled program; nothing is trained.
 """
 
 from __future__ import annotations

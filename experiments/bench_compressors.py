@@ -12,7 +12,11 @@ N (default: the run's sites; an all-gather of B bits sends (N-1) B per site
 on a ring, an all-reduce 2 (N-1)/N B), and the wire ratio against an fp32
 and a bf16 all-reduce of the same tensors (> 1: fewer bits on the wire).
 Bits do not depend on the timing, so they can be stated for a larger N
-than the run simulates.
+than the run simulates; they are :func:`dadjax.comm.report` of the
+optimizer's ledger at that N.
+
+Not :func:`dadjax.run.train`: it times the raw jitted step on a synthetic
+batch, placed once, with nothing else in the loop.
 
 Examples:
   # one GPU (default: one site)
@@ -77,6 +81,7 @@ def main(argv=None):
 
   import dadjax  # pylint: disable=g-import-not-at-top
   from dadjax import compress  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import NetworkModel, report  # pylint: disable=g-import-not-at-top
   from dadjax.models import ResNet18  # pylint: disable=g-import-not-at-top
 
   backend = args.backend
@@ -124,6 +129,7 @@ def main(argv=None):
   print(f"# ResNet-18 parameters: {num_params:,}; fp32 step compiled in "
         f"{base['compile_s']:.1f}s", flush=True)
 
+  network = NetworkModel(num_sites=args.wire_sites, topology=args.topology)
   rows = []
   for spec in methods:
     job = build(compress.compressed(compress.get_compressor(spec), "data"))
@@ -134,21 +140,20 @@ def main(argv=None):
       t_base.append(b)
       t_method.append(m)
       ratios.append(m / b)
-    stats = dadjax.comm_stats(job["state"].opt_state)
+    # the optimizer's ledger only (the step's metrics pmean is not the compressor's)
+    rep = report(job["state"].opt_state, network)
     loss = float(np.mean(np.asarray(job["metrics"]["loss"])))
-    wn, topo = args.wire_sites, args.topology
     row = {
         "method": spec,
         "ms": 1e3 * statistics.median(t_method),
         "base_ms": 1e3 * statistics.median(t_base),
         "ratio": statistics.median(ratios),
-        "bits": stats.bits_per_step,
-        "dense": stats.dense_bits_per_step,
-        "wire": stats.wire_bits(wn, topo),
-        "fp32_wire": stats.fp32_wire_bits(wn, topo),
-        "bf16_wire": stats.bf16_wire_bits(wn, topo),
-        "vs_fp32": stats.wire_ratio(wn, topo),
-        "vs_bf16": stats.wire_ratio(wn, topo, "bf16"),
+        "bits": rep.payload_bits_per_step,
+        "wire": rep.wire_bits_per_step,
+        "fp32_wire": rep.fp32_wire_bits_per_step,
+        "bf16_wire": rep.bf16_wire_bits_per_step,
+        "vs_fp32": rep.wire_ratio_fp32,
+        "vs_bf16": rep.wire_ratio_bf16,
         "compile_s": job["compile_s"],
         "loss": loss,
     }
@@ -162,9 +167,9 @@ def main(argv=None):
   table = [f"| method | step (ms) | fp32 step (ms) | median time ratio | payload bits/step/site | "
            f"wire bits/step/site ({topo}, N={wn}) | wire ratio vs fp32 | vs bf16 | compile (s) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  fp32_bits = rows[0]["dense"] if rows else 32 * num_params
-  fp32_wire = dadjax.comm.wire_bits("reduce", fp32_bits, wn, topo)
-  bf16_wire = dadjax.comm.wire_bits("reduce", fp32_bits // 2, wn, topo)
+  fp32 = report(base["state"].opt_state, network)  # an fp32 all-reduce of these tensors
+  fp32_bits, fp32_wire, bf16_wire = (fp32.payload_bits_per_step, fp32.fp32_wire_bits_per_step,
+                                     fp32.bf16_wire_bits_per_step)
 
   def ratio(x):
     return f"{x:.2f}x" + (" (more)" if x < 1 else "")

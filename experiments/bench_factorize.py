@@ -10,6 +10,8 @@ and the relative errors ``||G - u v^T|| / ||G||``.
 Usage::
 
   python experiments/bench_factorize.py [--rows 520 --d-in 512 --d-out 2048 --rank 4]
+
+Not :func:`dadjax.run.train`: it times one kernel on random matrices.
 """
 
 from __future__ import annotations

@@ -20,23 +20,22 @@ cores than the wall time); ``uptime`` before and after.
 
 PyTorch DDP on the same model (plain step and the PowerSGD hook) is a part of
 ``experiments/bench_scale.py --models mlp`` when torch is importable.
+
+Not :func:`dadjax.run.train`: it times the raw compiled step and exchange
+kernels on synthetic data, with nothing else in the loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
-
-def uptime() -> str:
-  try:
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-  except OSError:
-    return "(uptime unavailable)"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import uptime  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_args(argv=None):

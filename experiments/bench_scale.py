@@ -28,6 +28,9 @@ orthogonalization; see :func:`ablations`). On the MLP, when ``torch`` is importa
 (it is not a dependency), PyTorch DDP rows follow: the plain step and DDP with the PowerSGD
 hook (rank 4, error feedback, warm start) over ``--sites`` gloo processes (``--torch``).
 
+Not :func:`dadjax.run.train`: it compiles and times the raw step on a
+synthetic batch, placed once, with nothing else in the loop.
+
 Examples:
   python experiments/bench_scale.py --quick                 # small sizes, a smoke run
   python experiments/bench_scale.py --models vit --methods allreduce,qsgd:16 --pairs 5
@@ -39,7 +42,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -428,13 +430,6 @@ def torch_rows(args) -> list[str]:
           f"{med:.2f} [{q1:.2f}, {q3:.2f}] | {hooked - plain:.0f} |", ""]
 
 
-def uptime() -> str:
-  try:
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-  except OSError:
-    return "(uptime unavailable)"
-
-
 def main(argv=None):
   args = parse_args(argv)
   if args.device == "cpu":
@@ -442,6 +437,7 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.sites}")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from harness import uptime  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after XLA_FLAGS)
   from dadjax.compress import _base  # pylint: disable=g-import-not-at-top
 

@@ -11,6 +11,8 @@ two kept the same set of indices.
 Usage::
 
   python experiments/bench_topk_select.py [--size 802816 --sites 8 --ratios 0.99,0.9,0.5,0.1,0.01]
+
+Not :func:`dadjax.run.train`: it times one kernel on random rows.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ layout, all measured from the run:
 Run:
 
     python experiments/fsdp.py --steps 3 --out experiments/results
+
+Not :func:`dadjax.run.train`: it builds each layout's step directly
+(:func:`dadjax.make_train_step` with the layout's mesh, rules and
+``shard_params``) on synthetic tokens, to read the shards one device holds
+and the in-site traffic by mesh axis; the site-axis bits are
+:func:`dadjax.comm.report`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import optax  # noqa: E402
 
 import dadjax  # noqa: E402
 from dadjax import models  # noqa: E402
-from dadjax.comm import comm_stats  # noqa: E402
+from dadjax.comm import NetworkModel, report  # noqa: E402
 from dadjax.methods import build_method  # noqa: E402
 
 METHODS = ("allreduce", "ef(topk:0.01)", "powersgd:2", "dad")
@@ -94,7 +100,8 @@ def main():
                  zip(jax.tree.leaves(params), jax.tree.leaves(ref[1])))
       intra = ", ".join(f"{k}: {v:,}" for k, v in sorted(by_axis.items()) if k != "data") or "-"
       lines.append(f"| {spec} | {name} | {held:,} | {ref[0] / held:.2f}x less | "
-                   f"{comm_stats(state).bits_per_step:,} | {intra} | {diff:.1e} |")
+                   f"{report(state, NetworkModel(num_sites=2)).payload_bits_per_step:,} | "
+                   f"{intra} | {diff:.1e} |")
       print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:

@@ -21,6 +21,7 @@ import math
 import os
 import pathlib
 import shlex
+import subprocess
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -42,6 +43,14 @@ def host_devices(n: int = 8, *, force: bool = False) -> None:
 def command_line(script: str, argv: Sequence[str]) -> str:
   """The command that reproduces this run, from the repository root (quoted for a shell)."""
   return " ".join(["python", f"experiments/{script}", *map(shlex.quote, argv)])
+
+
+def uptime() -> str:
+  """The machine's load right now (``uptime``; the load average where it is missing)."""
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def seeds(text: str) -> list[int]:

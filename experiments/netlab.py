@@ -28,6 +28,11 @@ Accordion's prediction counts the lax.cond branches its steps took
   python experiments/netlab.py --quick      # smoke run
   python experiments/netlab.py --methods diloco:10,local_sgd:10   # add rows, keep the others
   python experiments/netlab.py --repredict  # recompute the model columns of the stored rows
+
+The accuracy part trains with :func:`dadjax.run.train`; the lab part runs the
+same Config in the lab's processes (:func:`dadjax.netlab.run_in_lab`), which
+time every step behind the shaped links. Steps to target:
+:func:`dadjax.run.to_target`.
 """
 
 from __future__ import annotations
@@ -38,15 +43,17 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")  # the accuracy part
 
 from dadjax.netlab import Lab, LabRun, predicted_comm, run_in_lab  # noqa: E402
+from dadjax.run import to_target  # noqa: E402
+from harness import uptime  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ["allreduce", "bf16", "powersgd:2", "ef_topk:0.01", "dad", "rank_dad:2",
            "dataquant(bits=4)", "accordion(powersgd:4, powersgd:1)", "diloco:10", "local_sgd:10"]
@@ -196,8 +203,11 @@ def accuracy_part(methods, seeds, target, max_steps):
 
 
 def steps_to(curve, target):
-  """First evaluated step with test accuracy >= target (None: never)."""
-  return next((step for step, acc in curve if acc >= target), None)
+  """First evaluated step with test accuracy >= target (None: never); ``curve``: the stored
+  ``(step, test accuracy)`` pairs."""
+  reached = to_target([{"step": step, "test_accuracy": acc} for step, acc in curve],
+                      "test_accuracy", target)
+  return reached.step if reached else None
 
 
 def _charged(book):
@@ -303,14 +313,6 @@ def write(rows, to_target, target, runs, out):
   out.write_text("\n".join(lines) + "\n" + keep)
 
 
-def _load() -> str:
-  """The machine's load (``uptime``) right now."""
-  try:
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 def _merge(old_rows, new_rows):
   """``old_rows`` with the rows of the same (method, rate, delay) replaced, the others appended."""
   key = lambda r: (r["method"], r["rate"], r["delay"])
@@ -354,7 +356,7 @@ def main() -> int:
                                   "wall_s": lab["wall_s"] + acc["wall_s"]}] if lab["rows"] else [])
   command = "python " + " ".join(["experiments/netlab.py"] + [
       f"'{a}'" if " " in a else a for a in sys.argv[1:]])
-  record = {"command": command, "methods": methods, "load_before": _load()}
+  record = {"command": command, "methods": methods, "load_before": uptime()}
   t0 = time.time()
   if args.repredict:
     lab["rows"] = repredict(lab["rows"], methods)
@@ -370,7 +372,7 @@ def main() -> int:
                                       60 if args.quick else args.max_steps))
     acc["wall_s"] += time.time() - t1
     acc_file.write_text(json.dumps(acc))
-  record.update(wall_s=time.time() - t0, load_after=_load())
+  record.update(wall_s=time.time() - t0, load_after=uptime())
   runs.append(record)
   lab_file.write_text(json.dumps(lab, indent=0))
   if lab["rows"] and acc["steps"]:

@@ -17,6 +17,8 @@ terms, minimizing the mean absolute relative error; writes the table
 
   python experiments/netlab_calibration.py             # the committed grid
   python experiments/netlab_calibration.py --quick     # a smoke run
+
+Not :func:`dadjax.run.train`: it times bare collectives, no model.
 """
 
 from __future__ import annotations

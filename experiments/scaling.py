@@ -48,7 +48,7 @@ import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 
-from dadjax.comm import NetworkModel, comm_stats  # noqa: E402
+from dadjax.comm import NetworkModel, comm_stats, report  # noqa: E402
 from dadjax.compress import get_compressor  # noqa: E402
 from dadjax.compress._two_phase import two_phase_bits  # noqa: E402
 from dadjax.config import Config  # noqa: E402
@@ -96,7 +96,8 @@ def measure(methods, steps: int, base: Config, keep_lr: bool = False) -> dict:
     ops = run.step_fn.collectives(run.state, {"x": run.dataset.x_train[:rows],
                                               "y": run.dataset.y_train[:rows]})
     out[method] = {"summary": comm_stats(run.state.opt_state), "ops": ops,
-                   "compute_s": compute_seconds(method, base)}
+                   "compute_s": compute_seconds(method, base),
+                   "params": sum(x[0].size for x in jax.tree.leaves(run.state.params))}
     codec = _two_phase_codec(method)
     if codec is not None:  # the payload depends on N: the route's exact bits at every N
       like = jax.tree.map(lambda x: x[0], run.state.params)  # one site's (stacked per site)
@@ -105,7 +106,8 @@ def measure(methods, steps: int, base: Config, keep_lr: bool = False) -> dict:
       if out[method]["bits_at"][config.num_sites] != booked:
         raise RuntimeError(f"{method}: two_phase_bits gives {out[method]['bits_at'][config.num_sites]} bits at "
                            f"N = {config.num_sites}, the run booked {booked}")
-    print(f"{method}: payload {out[method]['summary'].bits_per_step:,} bits/step/site, "
+    at_n = report(out[method]["summary"], NetworkModel(num_sites=config.num_sites))
+    print(f"{method}: payload {at_n.payload_bits_per_step:,} bits/step/site, "
           f"ops {ops.count['reduce']} reduce + {ops.count['gather']} gather + "
           f"{ops.count['all_to_all']} all-to-all, "
           f"compute {out[method]['compute_s'] * 1e3:.2f} ms", flush=True)
@@ -133,7 +135,8 @@ def summary_at(m: dict, n: int):
 
 
 def step_time(m: dict, n: int, bw: float, topo: str, latency: float) -> float:
-  return m["compute_s"] + NetworkModel(bw, latency, n, topo).step_time(summary_at(m, n), m["ops"])
+  net = NetworkModel(bw, latency, n, topo)
+  return m["compute_s"] + report(summary_at(m, n), net, ops=m["ops"]).modeled_comm_s_per_step
 
 
 def bf16_time(ref: dict, n: int, bw: float, topo: str, latency: float) -> float:
@@ -159,8 +162,9 @@ def table(measured, latency) -> str:
   lines = [head, "|" + "---|" * (5 + len(TOPOLOGIES) * len(BANDWIDTHS))]
   for method, m in measured.items():
     cells = [crossover(m, ref, bw, topo, latency) for topo in TOPOLOGIES for bw in BANDWIDTHS]
-    at8 = summary_at(m, 8)
-    lines.append(f"| {method} | {at8.bits_per_step:,} | {at8.wire_bits(8):,.0f} | {m['ops'].ops} | "
+    at8 = report(summary_at(m, 8), NetworkModel(num_sites=8))
+    lines.append(f"| {method} | {at8.payload_bits_per_step:,} | {at8.wire_bits_per_step:,.0f} | "
+                 f"{m['ops'].ops} | "
                  f"{m['compute_s'] * 1e3:.2f} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -187,7 +191,7 @@ def plot(measured, latency, path) -> None:
 
 
 def m_params(measured) -> int:
-  return measured["allreduce"]["summary"].dense_bits_per_step // 32
+  return measured["allreduce"]["params"]
 
 
 def main(argv=None) -> int:

@@ -2,9 +2,10 @@
 
 Runs one compressed update (``dadjax.compress.compressed``) of every spec on
 an MLP's gradient shapes over N simulated sites (``jax.vmap(axis_name=...)``),
-reads the ledger (:func:`dadjax.comm_stats`) and prints the ring wire bits
-per site (:meth:`CommSummary.wire_bits`), per gradient entry and against the
-fp32 all-reduce, for each route and N; ``auto`` shows the route it took.
+reads the ledger through :func:`dadjax.comm.report` and prints the ring wire
+bits per site, per gradient entry and against the fp32 all-reduce, for each
+route and N; ``auto`` shows the route it took. Not :func:`dadjax.run.train`:
+no model is trained, one exchange of random gradients is the measurement.
 
     python experiments/two_phase_bits.py --hidden 256,256 --sites 8,64 \\
         --out experiments/results/two_phase_bits.md
@@ -21,6 +22,9 @@ import jax.numpy as jnp
 
 import dadjax
 from dadjax import compress as C
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 SPECS = ("qsgd:7", "qsgd:16", "terngrad", "quantize:4", "sign", "scaled_sign", "fp8",
          "cast:fp8_e5m2", "bf16")
@@ -43,8 +47,9 @@ def wire(spec: str, shapes: dict, n: int) -> tuple[float, int, str]:
   tx = C.compressed(compressor, axis_name="sites")
   state = jax.vmap(tx.init)(grads)
   _, state = jax.jit(jax.vmap(tx.update, axis_name="sites"))(grads, state)
-  summary = dadjax.comm_stats(state)
-  return summary.wire_bits(n), summary.dense_bits_per_step, C.chosen_route(compressor, like, n)
+  rep = dadjax.comm.report(state, dadjax.comm.NetworkModel(num_sites=n))
+  dense = sum(x.size for x in leaves) * 32
+  return rep.wire_bits_per_step, dense, C.chosen_route(compressor, like, n)
 
 
 def main(argv=None) -> int:
@@ -77,12 +82,11 @@ def main(argv=None) -> int:
                 took]
     lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     print(lines[-1], flush=True)
-  command = "python experiments/two_phase_bits.py " + " ".join(
-      argv if argv is not None else sys.argv[1:])
+  command = harness.command_line("two_phase_bits.py", argv if argv is not None else sys.argv[1:])
   text = (f"# Wire bits per gradient entry: one-round and two-phase routes\n\n"
           f"Command: `{command}` (MLP {args.inputs}-{args.hidden.replace(',', '-')}-"
           f"{args.classes}, {entries:,} entries; one compressed update per spec over N sites "
-          f"simulated with jax.vmap, the ledger read by dadjax.comm_stats). Each cell: ring wire "
+          f"simulated with jax.vmap, the ledger read by dadjax.comm.report). Each cell: ring wire "
           "bits per site per gradient entry, and in parentheses the fp32 all-reduce's wire bits "
           "over the method's (2 (N-1)/N x 32 per entry). `auto takes`: the route "
           "`route=auto` took at that N.\n\n" + "\n".join(lines) + "\n")
