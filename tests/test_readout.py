@@ -14,8 +14,7 @@ from dadjax._core.protocols import collect_rows, merge_rows
 from dadjax.comm import host_array, report
 from dadjax.config import Config
 from dadjax.registry import Method, register_method
-from dadjax.run import compiled_ops, format_table, json_row
-from dadjax.run._loop import network_model
+from dadjax.run import compiled_ops, format_table, json_row, network_model
 from dadjax.train import train
 
 CONFIG = Config(steps=2, eval_every=2, num_sites=8, batch_per_site=4, method="topk:0.01",

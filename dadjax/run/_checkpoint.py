@@ -60,7 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dadjax.comm import host_array
-from dadjax.run import _orbax_internals
+import dadjax.run._orbax_internals as _orbax_internals
 from dadjax.run._config import Config
 from dadjax.errors import CheckpointError, DivergenceError
 from dadjax._core.procs import pid_alive
