@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (the main job) and `make test`; `make notebooks` re-runs the
+# Two entry points: `make demo` (the main job) and `make test`; `make docs` builds the
+# documentation site (docs/_build/html, warnings as errors); `make notebooks` re-runs the
 # notebooks in place (full settings) so their committed outputs are current. `make data` (as
 # root) installs the two real data sets from Debian's packages: Fashion-MNIST's IDX files in
 # /usr/share/datasets/fashion-mnist and the Python 3.11 documentation sources (byte-level text)
@@ -8,7 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow notebooks install clean data
+.PHONY: demo test test-slow notebooks install docs clean data
 
 $(BIN)/dadjax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,14 @@ $(BIN)/dadjax: pyproject.toml
 	touch $(BIN)/dadjax
 
 install: $(BIN)/dadjax
+
+# The docs extra (Sphinx, MyST-NB, the theme), installed once per pyproject.toml change.
+$(VENV)/.docs-installed: $(BIN)/dadjax
+	$(BIN)/pip install --quiet -e ".[test,docs]"
+	touch $(VENV)/.docs-installed
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 demo: install
 	$(BIN)/dadjax demo
@@ -36,4 +45,4 @@ data:
 	apt-get install -y dataset-fashion-mnist python3.11-doc
 
 clean:
-	rm -rf $(VENV) demo_out runs
+	rm -rf $(VENV) demo_out runs docs/_build docs/api

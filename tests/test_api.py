@@ -1,59 +1,19 @@
-"""The public API: curated ``__all__``, the README's API section, and the layering of packages."""
+"""The public API: curated ``__all__`` and the layering of packages (the API reference and the
+layout page are checked by tests/test_docs.py)."""
 
 import ast
 import importlib
 import pathlib
-import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGE = ROOT / "dadjax"
-README = ROOT / "README.md"
 
-# Every package and the two public modules with an ``__all__`` the README documents.
+
+# Packages whose public names must each have one home (test_each_public_name_has_one_home).
 DOCUMENTED = ["dadjax", "dadjax.compress", "dadjax.comm", "dadjax.dad", "dadjax.parallel",
               "dadjax.data", "dadjax.models", "dadjax.registry", "dadjax.extend"]
-
-
-def _packages():
-  names = ["dadjax"]
-  for init in sorted(PACKAGE.glob("*/__init__.py")):
-    if not init.parent.name.startswith("_"):  # private packages (the core) have no public face
-      names.append(f"dadjax.{init.parent.name}")
-  return names
-
-
-def _readme_api():
-  text = README.read_text()
-  m = re.search(r"^## API\n(.*?)(?=^## )", text, re.S | re.M)
-  assert m, "README has no '## API' section"
-  bullets = re.split(r"^- (?=`dadjax)", m.group(1), flags=re.M)[1:]
-  out = {}
-  for bullet in bullets:
-    module, *names = re.findall(r"`([A-Za-z_][\w.]*)`", bullet)
-    assert module not in out, f"{module} listed twice"
-    out[module] = names
-  return out
-
-
-def test_every_package_has_all_and_is_documented():
-  documented = _readme_api()
-  for name in _packages():
-    module = importlib.import_module(name)
-    assert isinstance(getattr(module, "__all__", None), list), f"{name} has no __all__"
-    assert name in documented, f"README's API section does not list {name}"
-
-
-@pytest.mark.parametrize("name", DOCUMENTED)
-def test_readme_api_matches_all(name):
-  module = importlib.import_module(name)
-  listed = _readme_api()[name]
-  assert len(listed) == len(set(listed)), f"{name}: a name is listed twice"
-  assert sorted(listed) == sorted(module.__all__)
-  assert len(module.__all__) == len(set(module.__all__))
-  for attr in module.__all__:
-    assert hasattr(module, attr), f"{name}.{attr} is in __all__ but does not exist"
 
 
 def test_extension_helpers_are_not_the_public_face():
@@ -338,16 +298,6 @@ def test_faces_carry_nothing_unused_beyond_all(face):
            if not n.startswith("_") and not isinstance(v, type(module)) and n != "annotations"
            and n not in module.__all__}
   assert extra - _imported_from(face) == set()
-
-
-def test_readme_calls_only_exported_names():
-  text = README.read_text()
-  missing = set()
-  for m in re.finditer(r"\bdadjax((?:\.[a-z_]+)*)\.([A-Za-z_]\w*)\(", text):
-    module = importlib.import_module("dadjax" + m.group(1))
-    if m.group(2) not in module.__all__:
-      missing.add(f"dadjax{m.group(1)}.{m.group(2)}")
-  assert missing == set()
 
 
 def test_extend_states_its_stability_contract():
