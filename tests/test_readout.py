@@ -4,16 +4,13 @@ import json
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from dadjax import cli, registry
+from dadjax import cli
 from dadjax._core.protocols import collect_rows, merge_rows
 from dadjax.comm import host_array, report
 from dadjax.config import Config
-from dadjax.registry import Method, register_method
 from dadjax.run import compiled_ops, format_table, json_row, network_model
 from dadjax.train import train
 
@@ -52,28 +49,27 @@ def test_two_state_nodes_with_one_column_are_refused():
     collect_rows((_Reports(np.array([1])), {"b": _Reports(np.array([2]))}))
 
 
-@pytest.fixture
-def clashing_method():
-  """A method whose state reports a column of the report (``wire_bits_per_step``)."""
-  name = "clashing_row"
+class _ClashingStep:
+  """The run's step, but its state's parts report a column of the report."""
 
-  def build(ctx):
-    from dadjax.comm import allreduce  # pylint: disable=g-import-not-at-top
-    extra = optax.GradientTransformation(lambda p: _Reports(jnp.int32(0)),
-                                         lambda u, s, p=None: (u, s))
-    return Method("", tx=optax.chain(allreduce(ctx.axis_name or "data"), extra))
+  def __init__(self, step_fn):
+    self._step_fn = step_fn
 
-  register_method(name, doc="A test method whose row clashes with the report's.")(build)
-  yield name
-  registry.unregister("method", name)
+  def __getattr__(self, name):
+    return getattr(self._step_fn, name)
+
+  def metrics_row(self, state):
+    del state
+    return {"wire_bits_per_step": 0}
 
 
-def test_a_state_row_that_would_overwrite_a_report_column_raises(clashing_method):
-  config = CONFIG.replace(method=clashing_method, steps=1, eval_every=1, num_sites=2,
-                          batch_per_site=2, backend="vmap")
+def test_a_state_row_that_would_overwrite_a_report_column_raises(run):
+  from dadjax.run._loop import _log_row  # pylint: disable=g-import-not-at-top
+  metrics = {"loss": np.zeros(CONFIG.num_sites, np.float32)}
   with pytest.raises(ValueError, match=r"'wire_bits_per_step' comes from both "
                                        r"dadjax\.comm\.report and the train state"):
-    train(config, progress=False)
+    _log_row(CONFIG, _ClashingStep(run.step_fn), run.state, metrics, run.dataset,
+             network_model(CONFIG), CONFIG.steps, 0.0, 1, (None, None))
 
 
 def test_loop_rows_are_the_report_row(run):
