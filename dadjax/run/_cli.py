@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
   p_dry.add_argument("--hbm-gib", type=float, help="device memory to compare with, GiB")
   p_dry.set_defaults(handler=_dryrun)
   _debug_flag(p_dry)
-  p_methods = sub.add_parser("methods", help="every method spec with its arguments, defaults and docs")
+  p_methods = sub.add_parser("methods",
+                             help="every method spec with its arguments, defaults and docs")
   _plugin_flag(p_methods)
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)

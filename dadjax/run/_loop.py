@@ -95,7 +95,8 @@ def local_optimizer(config: Config, schedule: optax.Schedule | None = None
                                      config.clip_global_norm)
 
 
-def make_optimizer(config: Config, comm_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+def make_optimizer(config: Config, comm_tx: optax.GradientTransformation
+                   ) -> optax.GradientTransformation:
   """The communicating transformation first, then :func:`local_optimizer`."""
   return optax.chain(comm_tx, local_optimizer(config))
 
