@@ -9,6 +9,7 @@ equal the bytes the compiled all-gathers move. Eight CPU devices
 (tests/conftest.py).
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -222,3 +223,49 @@ def test_einsum_and_batch_axes_equal_lax():
   assert mask["kernel"] and mask["per_token"]["kernel"] and not mask["per_token"]["bias"]
   with pytest.raises(ValueError, match="einsum"):
     dad.DotGeneral(axis_name=None).apply({}, "btd,dhk", x, params["kernel"])
+
+
+# One valid, non-default value of every DadConfig field (with the fields it needs).
+_OPTION_EXAMPLES = {
+    "axis_name": dict(axis_name="sites"),
+    "mode": dict(mode="rank"),
+    "rank": dict(rank=2),
+    "iters": dict(iters=3),
+    "tol": dict(tol=0.5),
+    "aggregation": dict(mode="rank", aggregation="two_way"),
+    "warm_start": dict(mode="rank", warm_start=True),
+    "error_feedback": dict(mode="rank", error_feedback=True),
+    "seed": dict(seed=5),
+    "precision": dict(precision=jax.lax.Precision.HIGHEST),
+    "rank_low": dict(mode="rank", rank=4, rank_low=2),
+    "accordion_window": dict(accordion_window=3),
+    "accordion_interval": dict(accordion_interval=2),
+    "accordion_eta": dict(accordion_eta=0.25),
+    "lr_schedule": dict(lr_schedule=optax.constant_schedule(0.1)),
+    "quantize_bits": dict(quantize_bits=4),
+    "power": dict(mode="rank", power="block"),
+    "bucket": dict(bucket=True),
+}
+
+
+def test_every_dad_config_field_is_a_keyword_option_of_every_layer():
+  # The options are written once (DadConfig); each layer takes them by keyword, so a new
+  # field is an option of dad.Dense, dad.DotGeneral and dad.NnxDotGeneral without a line there.
+  fields = [f.name for f in dataclasses.fields(dad.DadConfig)]
+  assert sorted(_OPTION_EXAMPLES) == sorted(fields)
+  for name, options in _OPTION_EXAMPLES.items():
+    want = dad.DadConfig(**options)
+    assert dad.DotGeneral(**options).config == want, name
+    assert dad.NnxDotGeneral(**options, shape=(3, 2)).config == want, name
+    dense = dad.Dense(4, **options)
+    if name == "precision":  # nn.Dense's own field, and the route's matmul precision
+      assert dense.precision == options["precision"] and dense.config == dad.DadConfig()
+    else:
+      assert dense.config == want, name
+  base = dad.DadConfig(mode="rank", rank=3)
+  assert dad.DotGeneral(config=base, rank=2).config == dad.DadConfig(mode="rank", rank=2)
+  for make in (dad.DotGeneral, functools.partial(dad.Dense, 4), dad.NnxDotGeneral):
+    with pytest.raises(TypeError):
+      make(not_an_option=1)
+    with pytest.raises(ValueError, match="rank must be"):
+      make(rank=0)

@@ -94,7 +94,8 @@ def _train(model, method, x, y, backend, params=None, steps=2):
   # an nnx.Module goes to make_train_step as it is; the mask reads its variables
   variables = (dnx.Model(model) if isinstance(model, nnx.Module) else model).init(
       jax.random.key(0), x[:2])
-  step = dadjax.make_train_step(model, _tx(method, variables), num_sites=SITES, backend=backend)
+  tx = _tx(method, variables) if isinstance(method, str) else method
+  step = dadjax.make_train_step(model, tx, num_sites=SITES, backend=backend)
   state = step.init(jax.random.key(0), x[:2])
   if params is not None:  # the linen twin starts from the NNX parameters
     assert jax.tree.structure(params) == jax.tree.structure(step.params(state))
@@ -122,7 +123,7 @@ def test_nnx_trains_like_its_linen_twin(method, nnx_cls, linen_cls, shape, backe
   x, y = _data(shape)
   module = nnx_cls(nnx.Rngs(0))
   if method == "dad":
-    dnx.inject(module, mode="exact")
+    dad.inject(module, mode="exact")
   step, state, metrics = _train(module, method, x, y, backend)  # the nnx.Module itself
   assert isinstance(step.model, dnx.Model)
   twin = linen_cls(dad.DotGeneral if method == "dad" else None)
@@ -143,7 +144,7 @@ def test_nnx_linear_dot_general_and_collections():
   # Dropout's RNG stream is reseeded per step and site.
   class Net(nnx.Module):
     def __init__(self, rngs):
-      self.l1 = nnx.Linear(6, 5, dot_general=dnx.DotGeneral(mode="rank", rank=2), rngs=rngs)
+      self.l1 = nnx.Linear(6, 5, dot_general=dad.NnxDotGeneral(mode="rank", rank=2), rngs=rngs)
       self.bn = nnx.BatchNorm(5, rngs=rngs)
       self.drop = nnx.Dropout(0.5, rngs=rngs)
       self.l2 = nnx.Linear(5, 3, rngs=rngs)
@@ -167,7 +168,7 @@ def test_nnx_linear_dot_general_and_collections():
   evaluated = step.evaluate(state, {"x": x, "y": y})  # train=False: eval mode, no rng
   assert np.isfinite(np.asarray(evaluated["loss"])).all()
   with pytest.raises(ValueError, match="shape"):
-    dnx.DotGeneral(mode="rank", warm_start=True)
+    dad.NnxDotGeneral(mode="rank", warm_start=True)
   with pytest.raises(ValueError, match="nnx.Module"):
     dnx.Model(LinenMLP())
 
@@ -213,9 +214,52 @@ def test_dadjax_train_takes_an_nnx_class_by_import_path(capsys):
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 1
   with pytest.raises(ConfigError, match=r"config.model_kwargs.*'width'.*in_features"):
     train(config.replace(model_kwargs={**kw, "width": 3}), progress=False)
-  # A dAD method gives the class's layers dAD (dadjax.nnx.inject_method): exact dAD's gradient
+  # A dAD method gives the class's layers dAD (dadjax.dad.inject_method): exact dAD's gradient
   # is the pooled one, so the run ends where the all-reduce's does, its layers gathering.
   dad_run = train(config.replace(method="dad"), progress=False)
   chex.assert_trees_all_close(dad_run.params, run.params, atol=1e-5, rtol=1e-5)
   assert jax.tree.leaves(dad_run.state.model_state["dad_state"])
   assert dadjax.comm_stats(dad_run.state.opt_state).gather_bits[0] > 0
+
+
+def test_nnx_bucket_books_the_linen_bucket_and_equals_allreduce():
+  # dad:bucket through the one layer route: the NNX layers join the step's one gather per
+  # backward pass (not one per layer), book what linen's bucket books, and train as the
+  # all-reduce of every gradient does.
+  x, y = _data((16, 6))
+  batch = {"x": x, "y": y}
+
+  def bucket_tx():
+    tx, factory = dad.get_method("dad:bucket")
+    return optax.chain(tx, optax.sgd(0.3)), factory
+
+  tx, factory = bucket_tx()
+  module = dad.inject_method(NnxMLP(nnx.Rngs(0)), factory)
+  step, state, _ = _train(module, tx, x, y, "shard_map", steps=1)
+  params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+  tx, factory = bucket_tx()
+  twin_step, twin, _ = _train(LinenMLP(factory.dot_general_cls), tx, x, y, "shard_map",
+                              params=params, steps=1)
+  _, pooled, _ = _train(NnxMLP(nnx.Rngs(0)), "allreduce", x, y, "shard_map", steps=1)
+  chex.assert_trees_all_close(step.params(state), step.params(pooled), atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(step.params(state), twin_step.params(twin), atol=1e-5, rtol=1e-5)
+  got, want = dadjax.comm_stats(state.opt_state), dadjax.comm_stats(twin.opt_state)
+  assert got.gather_bits == want.gather_bits and got.gather_bits[0] > 0
+  assert got.bits_per_step == want.bits_per_step and got.gather_calls == want.gather_calls == 1
+  ops, twin_ops = step.collectives(state, batch), twin_step.collectives(twin, batch)
+  assert ops.count == twin_ops.count and ops.count["gather"] == 1
+  assert 8 * ops.nbytes["gather"] == got.gather_bits[0]
+
+
+def test_nnx_refuses_rank_low_with_batch_axes_as_linen_does():
+  options = dict(mode="rank", rank=2, rank_low=1)
+  x = jnp.ones((4, 3, 6))
+  linen = nn.DenseGeneral(5, batch_dims=(0,), axis=-1,
+                          dot_general_cls=functools.partial(dad.DotGeneral, **options))
+  with pytest.raises(ValueError, match="rank_low") as linen_error:
+    linen.init(jax.random.key(0), x)
+  layer = dad.inject(nnx.LinearGeneral(6, 5, axis=-1, batch_axis={0: 4}, rngs=nnx.Rngs(0)),
+                     **options)
+  with pytest.raises(ValueError, match="rank_low") as nnx_error:
+    layer(x)
+  assert str(nnx_error.value) == str(linen_error.value)

@@ -3,11 +3,18 @@
 A dense layer's weight gradient is ``A^T D`` (inputs times output deltas);
 sites share ``A`` and ``D`` (dAD, exact) or low-rank factors of their local
 ``A^T D`` (rank-dAD) inside the backward pass instead of all-reducing the
-gradient. :class:`DotGeneral` is the ``dot_general_cls`` that brings this
-to any Flax layer contracting an input with a kernel (``nn.Dense``,
-``nn.DenseGeneral``, attention projections, einsums; NNX through
-:mod:`dadjax.nnx`); :class:`Dense` is a drop-in for ``flax.linen.Dense``;
-:func:`synchronize` handles every other parameter and the bit ledger. The
+gradient. :class:`DadConfig` holds every option (each layer takes a
+``config``, or its fields as keyword options). :class:`DotGeneral` is the
+``dot_general_cls`` that brings this to any linen layer contracting an
+input with a kernel (``nn.Dense``, ``nn.DenseGeneral``, attention
+projections, einsums); :class:`Dense` is ``flax.linen.Dense`` with the
+bias in the route; :class:`NnxDotGeneral` is the same for Flax NNX
+(``nnx.Linear(..., dot_general=...)``, ``nnx.Einsum(..., einsum_op=...)``;
+:func:`inject` gives every such layer of a model its own, and
+:class:`DadState` is its ``"dad_state"`` Variable type). The three share
+one layer route (:mod:`dadjax.dad._layer`): state, refusals, the bucket
+and the bits they book. :func:`synchronize` handles every other parameter
+and the bit ledger. The
 specs ``dad``, ``auto_dad``, ``local_dad`` and ``rank_dad:R[:two_way][:warm][:ef][:block]``
 are registered methods (:func:`get_method`, ``dadjax methods``). The
 structured power iteration (:func:`~dadjax.extend.factorize`) is in
@@ -49,8 +56,9 @@ References:
 
 from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig
 from dadjax.dad._cost import choose_route, layer_bits, layer_route, layer_traffic, route_traffic
-from dadjax.dad._dot_general import DotGeneral, dot_general
-from dadjax.dad._module import Dense
+from dadjax.dad._dot_general import dot_general
+from dadjax.dad._module import Dense, DotGeneral
+from dadjax.dad._nnx import DadState, NnxDotGeneral, inject, inject_method
 from dadjax.dad._state import current_state, init_state, next_state
 from dadjax.dad._vjp import dense
 from dadjax.dad._methods import DenseFactory, get_method, is_method
@@ -74,6 +82,10 @@ from dadjax.dad import _bucket  # registers the "dad_bucket" rule (one gather pe
 __all__ = [
     "Dense",
     "DotGeneral",
+    "NnxDotGeneral",
+    "DadState",
+    "inject",
+    "inject_method",
     "dot_general",
     "DadConfig",
     "MODES",

@@ -50,15 +50,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
 from dadjax._core.protocols import CollectionRule, register_rule
-from dadjax._core.vma import is_varying, to_varying, vma, vary_like
+from dadjax._core.vma import is_varying, to_varying, vma
 from dadjax.comm import COMM_COLLECTION, bits_const, metered_all_gather, traffic_add
 from dadjax.dad._config import DadConfig
 from dadjax.dad._routes import match_type
@@ -73,7 +72,12 @@ _TRACE = threading.local()  # the layers seen while the step traces a bucketed p
 
 @contextlib.contextmanager
 def _recording():
-  """Layers that bucket, by module path -> config, while the step traces its passes."""
+  """The layers that bucket while the step traces its passes, by path -> config.
+
+  A linen layer knows its module path; an NNX layer does not, and is found
+  by the rows it sowed (``id(rows)`` -> ``(rows, config)``, the rows held so
+  the id stays theirs).
+  """
   outer = getattr(_TRACE, "layers", None)
   _TRACE.layers = {}
   try:
@@ -82,12 +86,13 @@ def _recording():
     _TRACE.layers = outer
 
 
-def bucketed_output(module: nn.Module, a: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+def bucketed_output(host, a: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                     config: DadConfig) -> jax.Array | None:
   """A bucketing layer's output ``a @ kernel (+ bias)``, or ``None`` to take its own route.
 
   Args:
-    module: the calling layer (its variables hold the slots and sown rows).
+    host: the calling layer (a :class:`~dadjax.dad._layer.Host`: where its
+      slots and sown rows go).
     a: (..., n, d_in) rows (leading axes: one kernel per entry).
     kernel: (..., d_in, d_out).
     bias: (d_out,) or ``None``.
@@ -97,28 +102,27 @@ def bucketed_output(module: nn.Module, a: jax.Array, kernel: jax.Array, bias: ja
     (..., n, d_out), or ``None`` at init and whenever the layer is not
     traced by the step's bucketed pass (module docstring).
   """
-  if not module.is_mutable_collection(BUCKET_COLLECTION):  # e.g. inside nn.scan without it
-    return None
-  if module.is_initializing():
-    module.variable(BUCKET_COLLECTION, MARKER, lambda: jnp.zeros((), jnp.int8))
+  if not host.joins_bucket():  # e.g. inside nn.scan without the collection, or at init
     return None
   layers = getattr(_TRACE, "layers", None)
   if layers is None:
     return None
-  call = len(module.get_variable(BUCKET_COLLECTION, ROWS, ()))
+  call = host.sow(BUCKET_COLLECTION, ROWS, a)
+  if call is None:
+    return None
+  host.sow(BUCKET_COLLECTION, KERNELS, kernel)
+  if bias is not None:
+    host.sow(BUCKET_COLLECTION, BIASES, bias)
   y = jnp.matmul(a, jax.lax.stop_gradient(kernel), precision=config.precision)
   if bias is not None:
     y = y + jax.lax.stop_gradient(bias)
+  if host.path is None:
+    layers[id(a)] = (a, config)
+  else:
+    layers[tuple(host.path)] = config
   # A slot is typed like the output (varying per site under shard_map): the
   # gradient of an invariant slot would be summed over the sites.
-  slot = module.variable(BUCKET_COLLECTION, f"{SLOT}{call}",
-                         lambda: vary_like(jnp.zeros(y.shape, y.dtype), y)).value
-  module.sow(BUCKET_COLLECTION, ROWS, a)
-  module.sow(BUCKET_COLLECTION, KERNELS, kernel)
-  if bias is not None:
-    module.sow(BUCKET_COLLECTION, BIASES, bias)
-  layers[tuple(module.path)] = config
-  return y + slot
+  return y + host.slot(BUCKET_COLLECTION, f"{SLOT}{call}", y)
 
 
 def _layers(sown: Any) -> dict[tuple, dict]:
@@ -135,56 +139,54 @@ def _returned(aux: Any) -> Any:
   return None
 
 
-def bucketed_gradient(objective, params, diff):
-  """The step's differentiation with one all-gather for every bucketing dAD layer.
+class _Pass(NamedTuple):
+  """What the probe pass of :func:`bucketed_gradient` found: the layers that joined
+  (``{path: sown entry}``), their configs by path, and the zero slots to differentiate."""
 
-  ``objective(params, diff, overrides) -> (loss, aux)`` (the loss with
-  ``overrides`` replacing model-state collections); ``diff`` the
-  differentiated collections' float leaves. Returns ``(loss, aux, grads,
-  diff_grads)`` as ``jax.value_and_grad`` would, the bucketed kernels' (and
-  biases') synchronized gradients included and the gather booked in
-  ``aux["model_state"]["comm"]`` (module docstring).
-  """
-  with _recording() as configs:
-    # the probe's forward pass is dead code: only its shapes are read
+  probe: dict
+  configs: dict
+  slots: Any
+
+
+def _probe(objective, params, diff) -> _Pass | None:
+  """Trace the loss once to find the joining layers (its forward pass is dead code:
+  only shapes and configs are read); ``None`` when no layer joins."""
+  with _recording() as seen:
     probe = _layers(_returned(objective(params, diff, {BUCKET_COLLECTION: {}})[1]))
-  if not probe:  # no layer could join: every one took its own route
-    (value, aux), (grads, diff_grads) = jax.value_and_grad(
-        objective, argnums=(0, 1), has_aux=True)(params, diff)
-    return value, aux, grads, diff_grads
+  if not probe:
+    return None
+  configs = {path: seen[path] if path in seen else seen[id(entry[ROWS][0])][1]
+             for path, entry in probe.items()}
   slots = traverse_util.unflatten_dict({
       path + (name,): to_varying(jnp.zeros(v.shape, v.dtype), vma(v))
       for path, entry in probe.items() for name, v in entry.items() if name.startswith(SLOT)})
+  return _Pass(probe, configs, slots)
 
-  # Which sown kernels and biases *are* parameter leaves (no cast or reshape in
-  # between): their gradient goes straight to the leaf; only the others need
-  # the pullback of a second forward trace.
+
+def _traced(objective, origin, p, d, s, find_origin=False):
+  """The loss with slots ``s``; with ``find_origin``, records in ``origin`` which sown
+  kernels and biases *are* parameter leaves (no cast or reshape in between)."""
+  with _recording():
+    out = objective(p, d, {BUCKET_COLLECTION: s})
+  if find_origin:
+    index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(p))}
+    for path, entry in _layers(_returned(out[1])).items():
+      for kind in (KERNELS, BIASES):
+        for i, v in enumerate(entry.get(kind, ())):
+          if id(v) in index:
+            origin[(path, kind, i)] = index[id(v)]
+  return out
+
+
+def _onto_params(objective, origin, params, diff, slots, grads, cotangents):
+  """Add each synchronized kernel / bias gradient onto the parameters it came from.
+
+  A kernel that is a parameter leaf takes its gradient directly; the others
+  (a dtype cast, a DotGeneral's transpose and reshape) go through the ``vjp``
+  of a second forward trace that returns only those kernels (XLA removes
+  the rest of that trace as dead code).
+  """
   param_def = jax.tree.structure(params)
-  origin: dict[tuple, int] = {}
-
-  def traced(p, d, s, find_origin=False):
-    with _recording():
-      out = objective(p, d, {BUCKET_COLLECTION: s})
-    if find_origin:
-      index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(p))}
-      for path, entry in _layers(_returned(out[1])).items():
-        for kind in (KERNELS, BIASES):
-          for i, v in enumerate(entry.get(kind, ())):
-            if id(v) in index:
-              origin[(path, kind, i)] = index[id(v)]
-    return out
-
-  (value, aux), (grads, diff_grads, deltas) = jax.value_and_grad(
-      functools.partial(traced, find_origin=True), argnums=(0, 1, 2), has_aux=True)(
-          params, diff, slots)
-  sown = _layers(_returned(aux))
-  if set(sown) != set(probe):
-    raise ValueError("dad bucket: the loss function must return the 'dad_bucket' collection "
-                     "in aux['model_state'] on every call (make every collection of the "
-                     "variables mutable, as dadjax.parallel.model_loss does)")
-  deltas = traverse_util.flatten_dict(deltas)
-  cotangents, traffic = _synchronized(sown, deltas, configs)
-
   grad_leaves = param_def.flatten_up_to(grads)
   computed = {}  # the rest: layer -> kind -> [(call, cotangent)]
   for path, kinds in cotangents.items():
@@ -196,16 +198,22 @@ def bucketed_gradient(objective, params, diff):
         else:
           grad_leaves[leaf] = grad_leaves[leaf] + g
   grads = param_def.unflatten(grad_leaves)
-  if computed:
-    def kernels_of(p):
-      taken = _layers(_returned(traced(p, diff, slots)[1]))
-      return {path: {kind: [taken[path][kind][i] for i, _ in calls]
-                     for kind, calls in kinds.items()} for path, kinds in computed.items()}
+  if not computed:
+    return grads
 
-    _, pullback = jax.vjp(kernels_of, params)
-    (from_kernels,) = pullback({path: {kind: [g for _, g in calls] for kind, calls in kinds.items()}
-                                for path, kinds in computed.items()})
-    grads = jax.tree.map(jnp.add, grads, from_kernels)
+  def kernels_of(p):
+    taken = _layers(_returned(_traced(objective, {}, p, diff, slots)[1]))
+    return {path: {kind: [taken[path][kind][i] for i, _ in calls]
+                   for kind, calls in kinds.items()} for path, kinds in computed.items()}
+
+  _, pullback = jax.vjp(kernels_of, params)
+  (from_kernels,) = pullback({path: {kind: [g for _, g in calls] for kind, calls in kinds.items()}
+                              for path, kinds in computed.items()})
+  return jax.tree.map(jnp.add, grads, from_kernels)
+
+
+def _book(aux: Any, traffic) -> Any:
+  """``aux`` with the bucket's gather booked in ``aux["model_state"]["comm"]``."""
   aux = dict(aux)
   model_state = dict(aux[MODEL_STATE])
   comm = dict(model_state.get(COMM_COLLECTION) or {})
@@ -218,7 +226,36 @@ def bucketed_gradient(objective, params, diff):
         reduce_calls=(jnp.zeros((traffic.reduce_calls,), jnp.int8),))
   model_state[COMM_COLLECTION] = comm
   aux[MODEL_STATE] = model_state
-  return value, aux, grads, diff_grads
+  return aux
+
+
+def bucketed_gradient(objective, params, diff):
+  """The step's differentiation with one all-gather for every bucketing dAD layer.
+
+  ``objective(params, diff, overrides) -> (loss, aux)`` (the loss with
+  ``overrides`` replacing model-state collections); ``diff`` the
+  differentiated collections' float leaves. Returns ``(loss, aux, grads,
+  diff_grads)`` as ``jax.value_and_grad`` would, the bucketed kernels' (and
+  biases') synchronized gradients included and the gather booked in
+  ``aux["model_state"]["comm"]`` (module docstring).
+  """
+  found = _probe(objective, params, diff)
+  if found is None:  # no layer could join: every one took its own route
+    (value, aux), (grads, diff_grads) = jax.value_and_grad(
+        objective, argnums=(0, 1), has_aux=True)(params, diff)
+    return value, aux, grads, diff_grads
+  origin: dict[tuple, int] = {}
+  (value, aux), (grads, diff_grads, deltas) = jax.value_and_grad(
+      functools.partial(_traced, objective, origin, find_origin=True), argnums=(0, 1, 2),
+      has_aux=True)(params, diff, found.slots)
+  sown = _layers(_returned(aux))
+  if set(sown) != set(found.probe):
+    raise ValueError("dad bucket: the loss function must return the 'dad_bucket' collection "
+                     "in aux['model_state'] on every call (make every collection of the "
+                     "variables mutable, as dadjax.parallel.model_loss does)")
+  cotangents, traffic = _synchronized(sown, traverse_util.flatten_dict(deltas), found.configs)
+  grads = _onto_params(objective, origin, params, diff, found.slots, grads, cotangents)
+  return value, _book(aux, traffic), grads, diff_grads
 
 
 def _synchronized(sown: dict, deltas: dict, configs: dict):

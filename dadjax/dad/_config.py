@@ -1,5 +1,11 @@
 """Static configuration of a dAD layer: :class:`DadConfig` and the mode names.
 
+:class:`DadConfig` is the only place dAD's options are written: every layer
+(:class:`~dadjax.dad.Dense`, :class:`~dadjax.dad.DotGeneral`,
+:class:`~dadjax.dad.NnxDotGeneral`) takes a ``config`` and, for convenience,
+its fields as keyword options, read from :data:`CONFIG_FIELDS`
+(:func:`config_from`).
+
 See :mod:`dadjax.dad._vjp` for what each mode does in the backward pass and
 :mod:`dadjax.dad._cost` for the routes' cost model.
 """
@@ -123,3 +129,31 @@ class DadConfig:
     if self.bucket and (self.mode != "exact" or self.quantize_bits is not None):
       raise ValueError("bucket applies to mode='exact' without quantize_bits (the exact rows "
                        f"A and D), got mode={self.mode!r}, quantize_bits={self.quantize_bits!r}")
+
+
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DadConfig))
+
+
+def config_from(config: DadConfig | None = None, **options: Any) -> DadConfig:
+  """``config`` with ``options`` (:class:`DadConfig` fields) replacing its fields.
+
+  Args:
+    config: a :class:`DadConfig`, or ``None`` (the defaults).
+    **options: any of :data:`CONFIG_FIELDS`.
+
+  Returns:
+    The :class:`DadConfig` (validated: a bad value raises naming its field).
+
+  Raises:
+    TypeError: for a keyword that is not a :class:`DadConfig` field.
+    ValueError: for a ``config`` that is not a :class:`DadConfig`, or a bad value.
+  """
+  unknown = sorted(set(options) - set(CONFIG_FIELDS))
+  if unknown:
+    raise TypeError(f"unexpected dAD options {unknown}; the options are DadConfig's fields "
+                    f"{list(CONFIG_FIELDS)}")
+  if config is None:
+    return DadConfig(**options)
+  if not isinstance(config, DadConfig):
+    raise ValueError(f"config must be a dadjax.dad.DadConfig, got {config!r}")
+  return dataclasses.replace(config, **options) if options else config

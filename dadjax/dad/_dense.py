@@ -6,7 +6,9 @@
 * :mod:`dadjax.dad._quantized`: quantized dAD's payload (``quantize_bits``);
 * :mod:`dadjax.dad._cost`: the routes' cost model (bits from the payloads);
 * :mod:`dadjax.dad._vjp`: the ``custom_vjp`` and :func:`dense`;
-* :mod:`dadjax.dad._module`: the Flax :class:`Dense`.
+* :mod:`dadjax.dad._layer`: the one layer route every dAD layer runs;
+* :mod:`dadjax.dad._module`: the linen :class:`Dense` and :class:`DotGeneral`;
+* :mod:`dadjax.dad._nnx`: the NNX :class:`NnxDotGeneral`.
 """
 
 from dadjax.dad._config import AGGREGATIONS, MODES, ROUTES, DadConfig  # noqa: F401

@@ -1,11 +1,13 @@
-"""dAD as an injected ``dot_general``: any Flax layer that contracts an input with a kernel.
+"""dAD as a ``dot_general`` function: any contraction of an input with a kernel.
 
 Flax's layers take the contraction as an argument: ``nn.Dense`` and
 ``nn.DenseGeneral`` take ``dot_general_cls``, ``nn.MultiHeadDotProductAttention``
 takes ``qkv_dot_general_cls`` and ``out_dot_general_cls``, ``nnx.Linear`` and
 ``nnx.LinearGeneral`` take ``dot_general`` and ``nnx.Einsum`` takes
-``einsum_op`` (the injection point Flax's fp8 training uses). :class:`DotGeneral`
-plugs dAD in there: its backward pass synchronizes the layer's *kernel*
+``einsum_op`` (the injection point Flax's fp8 training uses). The layers
+:class:`~dadjax.dad.DotGeneral` (linen) and :class:`~dadjax.dad.NnxDotGeneral`
+plug dAD in there through :func:`dot_general` (here) and the one layer route
+(:mod:`dadjax.dad._layer`): the backward pass synchronizes the layer's *kernel*
 gradient over the sites by the route of its :class:`~dadjax.dad.DadConfig`
 (exact gather, rank-dAD one-/two-way with warm start and error feedback,
 quantized, auto), and keeps the route's state in the ``"dad_state"``
@@ -45,16 +47,10 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dadjax._core.keys import layer_seed  # noqa: F401  (Dense's too)
-from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION, Traffic, bits_const
-from dadjax.dad._bucket import bucketed_output
 from dadjax.dad._config import DadConfig
-from dadjax.dad._cost import layer_traffic
-from dadjax.dad._rank_accordion import accordion_gather_bits
 from dadjax.dad._state import init_state
 from dadjax.dad._vjp import _dense
 
@@ -145,14 +141,19 @@ def init_kernel_state(config: DadConfig, c: Contraction) -> dict[str, jax.Array]
   return jax.tree.map(lambda v: jnp.broadcast_to(v, (c.batch,) + v.shape), state)
 
 
+def with_precision(config: DadConfig, precision: Any) -> DadConfig:
+  """``config`` with the call's ``precision`` (``None``: the config's own)."""
+  if precision is not None and precision != config.precision:
+    config = dataclasses.replace(config, precision=precision)
+  return config
+
+
 def _config(config, options, precision) -> DadConfig:
   if config is None:
     config = DadConfig(**options)
   elif options:
     raise ValueError(f"pass either config or options, not both: {sorted(options)}")
-  if precision is not None and precision != config.precision:
-    config = dataclasses.replace(config, precision=precision)
-  return config
+  return with_precision(config, precision)
 
 
 def dot_general(
@@ -198,15 +199,28 @@ def dot_general(
     raise ValueError("state: warm_start, error_feedback and rank_low need the kernel state "
                      "(init_kernel_state(config, contraction(...)))")
   c = contraction(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  y = contract(c, lhs, rhs, None, state, config)
+  return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def contract(c: Contraction, lhs, rhs, bias, state, config: DadConfig) -> jax.Array:
+  """The dAD contraction of ``lhs`` and ``rhs`` in ``c``'s view, plus ``bias`` (d_out,).
+
+  The kernel's gradient (and the bias's, exact from ``D``'s column sums)
+  is synchronized by the config's route; batch axes are mapped with
+  ``vmap`` (each entry its own layer; no bias then). Output in
+  ``lax.dot_general``'s layout.
+  """
   a, k = c.operands(lhs, rhs)
   if c.batch_shape:
+    if bias is not None:
+      raise ValueError("bias: a dAD contraction with batch axes adds no bias in its route")
     run = jax.vmap(lambda a, k, s: _dense(a, k, None, s, config),
                    in_axes=(0, 0, None if state is None else 0))
     y = run(a, k, state)
   else:
-    y = _dense(a, k, None, state, config)
-  y = y.reshape(c.out_shape)
-  return y if preferred_element_type is None else y.astype(preferred_element_type)
+    y = _dense(a, k, bias, state, config)
+  return y.reshape(c.out_shape)
 
 
 def einsum_contraction(equation: str, lhs_shape, rhs_shape):
@@ -247,7 +261,9 @@ def einsum_contraction(equation: str, lhs_shape, rhs_shape):
   return lhs_sum, rhs_sum, dims, tuple(result.index(ch) for ch in out)
 
 
-def _einsum(dot, equation, lhs, rhs, precision=None, preferred_element_type=None):
+def einsum_dot(dot, equation, lhs, rhs, precision=None, preferred_element_type=None):
+  """``jnp.einsum(equation, lhs, rhs)`` computed by ``dot`` (a ``dot_general``):
+  what an einsum-calling layer (``nnx.Einsum``, a module of one's own) hands a dAD layer."""
   lhs_sum, rhs_sum, dims, perm = einsum_contraction(equation, jnp.shape(lhs), jnp.shape(rhs))
   if lhs_sum:
     lhs = jnp.sum(lhs, axis=lhs_sum)
@@ -255,143 +271,3 @@ def _einsum(dot, equation, lhs, rhs, precision=None, preferred_element_type=None
     rhs = jnp.sum(rhs, axis=rhs_sum)
   y = dot(lhs, rhs, dims, precision=precision, preferred_element_type=preferred_element_type)
   return jnp.transpose(y, perm)
-
-
-def report(module, config: DadConfig, traffic: Traffic, kernel_shape, dtype, state,
-           times: int = 1) -> None:
-  """Sow what one backward pass of a layer call hands to collectives into ``"comm"``.
-
-  ``gather_bits`` / ``reduce_bits`` (:class:`~dadjax.comm.Bits`) with
-  ``gather_calls`` / ``reduce_calls`` (int8 zeros, one per collective
-  call); ``times`` multiplies the bits (a vmapped batch of layers sends its
-  entries' payloads in one call). Under Accordion (``rank_low``) the gather
-  follows the rank the state says this step runs at.
-  """
-  if traffic.gather_calls:
-    if config.rank_low is not None and state is not None:
-      bits = accordion_gather_bits(config, traffic.gather, kernel_shape, dtype, state)
-    else:
-      bits = bits_const(traffic.gather * times)
-    module.sow(COMM_COLLECTION, "gather_bits", bits)
-    module.sow(COMM_COLLECTION, "gather_calls", jnp.zeros((traffic.gather_calls,), jnp.int8))
-  if traffic.reduce_calls:
-    module.sow(COMM_COLLECTION, "reduce_bits", bits_const(traffic.reduce * times))
-    module.sow(COMM_COLLECTION, "reduce_calls", jnp.zeros((traffic.reduce_calls,), jnp.int8))
-
-
-def module_state(module: nn.Module, name: str, init_fn, *init_args):
-  """A layer's ``"dad_state"`` entry: the collection's variable where the
-  collection is mutable or present, else a fresh transient state (e.g.
-  evaluation with params only)."""
-  if (module.is_mutable_collection(STATE_COLLECTION)
-      or module.has_variable(STATE_COLLECTION, name)):
-    return module.variable(STATE_COLLECTION, name, init_fn, *init_args).value
-  return init_fn(*init_args)
-
-
-class DotGeneral(nn.Module):
-  """dAD as a ``dot_general_cls``: synchronizes the kernel of the layer that calls it.
-
-  Pass it (or a ``functools.partial`` with options) where Flax takes a
-  dot_general class::
-
-      dg = functools.partial(dadjax.dad.DotGeneral, mode="rank", rank=2)
-      nn.Dense(64, dot_general_cls=dg)
-      nn.DenseGeneral((4, 16), axis=-1, dot_general_cls=dg)
-      nn.MultiHeadDotProductAttention(4, qkv_dot_general_cls=dg, out_dot_general_cls=dg)
-
-  Called as ``dot_general(lhs, rhs, dimension_numbers, precision=None,
-  preferred_element_type=None)`` (lhs: the input, rhs: the kernel; see
-  :func:`dot_general`), or as an einsum ``dot_general(equation, input,
-  kernel)`` for a module of one's own (``jnp.einsum``'s equations with two
-  operands, no ellipsis). The module keeps the kernel's state in
-  ``"dad_state"`` under ``"dad_kernel"`` (none for ``mode="local"``) and
-  sows the bits its backward pass sends into ``"comm"`` (as
-  :class:`~dadjax.dad.Dense` does). :func:`~dadjax.dad.layer_mask` marks the
-  parent's ``kernel`` parameter; the bias, added by the parent outside the
-  dot_general, goes to :func:`~dadjax.dad.synchronize`'s ``other``.
-
-  Attributes:
-    axis_name, mode, rank, iters, tol, aggregation, warm_start,
-    error_feedback, seed, rank_low, accordion_window, accordion_interval,
-    accordion_eta, lr_schedule, quantize_bits, power, bucket: see
-      :class:`~dadjax.dad.DadConfig` (same defaults). The seed is combined
-      with the module's path.
-
-  References:
-    Baker et al., "Peering Beyond the Gradient Veil with Distributed Auto
-    Differentiation" (https://arxiv.org/abs/2102.09631).
-  """
-
-  axis_name: str | None = "data"
-  mode: str = "exact"
-  rank: int = 4
-  iters: int = 10
-  tol: float = 1e-3
-  aggregation: str = "one_way"
-  warm_start: bool = False
-  error_feedback: bool = False
-  seed: int = 0
-  rank_low: int | None = None
-  accordion_window: int = 1
-  accordion_interval: int = 1
-  accordion_eta: float = 0.5
-  lr_schedule: Any = None
-  quantize_bits: int | None = None
-  power: str = "deflated"
-  bucket: bool = False
-
-  def __post_init__(self):
-    self.config()  # fail at construction, naming the bad argument
-    super().__post_init__()
-
-  def config(self, seed: int | None = None) -> DadConfig:
-    """This module's :class:`~dadjax.dad.DadConfig` (``seed`` overrides the field)."""
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DadConfig)
-              if f.name != "precision"}
-    if seed is not None:
-      fields["seed"] = seed
-    return DadConfig(**fields)
-
-  @nn.compact
-  def __call__(self, lhs, rhs, dimension_numbers=None, precision=None,
-               preferred_element_type=None, out_sharding=None):
-    if out_sharding is not None:
-      raise ValueError("out_sharding: dadjax.dad.DotGeneral runs inside the site program "
-                       "(shard_map); pass out_sharding=None")
-    if isinstance(lhs, str):  # einsum(equation, input, kernel)
-      return _einsum(self._dot, lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    if dimension_numbers is None:
-      raise ValueError("dimension_numbers: required, ((lhs_contracting, rhs_contracting), "
-                       "(lhs_batch, rhs_batch))")
-    return self._dot(lhs, rhs, dimension_numbers, precision=precision,
-                     preferred_element_type=preferred_element_type)
-
-  def _dot(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    config = _config(self.config(seed=layer_seed(self.seed, self.path)), {}, precision)
-    c = contraction(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    if c.batch_shape and config.rank_low is not None:
-      raise ValueError("rank_low: Accordion's rank switching is per layer; a dot_general with "
-                       "batch axes (one kernel per batch entry) does not support it")
-    if config.bucket:
-      a, k = c.operands(lhs, rhs)
-      y = bucketed_output(self, a, k, None, config)
-      if y is not None:  # the train step gathers A and D with every other layer's
-        y = y.reshape(c.out_shape)
-        return y if preferred_element_type is None else y.astype(preferred_element_type)
-    state = None
-    if config.mode != "local" and not config.bucket:
-      state = module_state(self, KERNEL_STATE_NAME, init_kernel_state, config, c)
-    y = dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type,
-                    state=state, config=config)
-    if config.axis_name is not None:
-      # What one batch entry's backward pass hands to collectives, read from
-      # its own payloads on these operands (promotion and variance typing included).
-      a, k = c.operands(lhs, rhs)
-      one = state
-      if c.batch_shape:
-        a, k = a[0], k[0]
-        one = None if state is None else jax.tree.map(lambda v: v[0], state)
-      traffic = layer_traffic(config, a, k, None, one)
-      report(self, config, traffic, (c.d_in, c.d_out), k.dtype, one, times=c.batch)
-    return y

@@ -15,9 +15,9 @@ import jax
 import optax
 
 from dadjax import registry
-from dadjax.dad._config import DadConfig
-from dadjax.dad._dot_general import KERNEL_PARAM, DotGeneral
-from dadjax.dad._module import Dense
+from dadjax.dad._config import CONFIG_FIELDS, DadConfig, config_from
+from dadjax.dad._dot_general import KERNEL_PARAM
+from dadjax.dad._module import Dense, DotGeneral
 from dadjax._core.trees import path_names
 from dadjax.dad._sync import synchronize
 from dadjax.registry import Arg, ArgumentError, BuildContext, Method, register_method
@@ -67,12 +67,13 @@ class DenseFactory:
   models' layers.
 
   Args:
-    **options: :class:`~dadjax.dad.Dense` fields (``mode``, ``rank``, ...).
+    **options: :class:`~dadjax.dad.Dense` fields and keyword options
+      (``config``, or its fields ``mode``, ``rank``, ...).
   """
 
   def __init__(self, **options: Any):
-    config_fields = {k: v for k, v in options.items() if k in DadConfig.__dataclass_fields__}
-    DadConfig(**config_fields)  # validate now, naming the bad argument
+    config_from(options.get("config"),  # validate now, naming the bad argument
+                **{k: v for k, v in options.items() if k in CONFIG_FIELDS})
     self.options = dict(options)
     self.built = 0  # layers built inside a model, including "local" ones
     self._models: list[_Model] = []  # one per distinct trace record, oldest first
@@ -123,7 +124,7 @@ class DenseFactory:
     layer = Dense(features, **{**self.options, **kwargs})
     if layer.scope is not None:
       self._record(layer.scope)
-      if layer.mode != "local":
+      if layer.config.mode != "local":
         self._paths.add(tuple(layer.scope.path))
     return layer
 
@@ -136,14 +137,13 @@ class DenseFactory:
     out_dot_general_cls=...)``: each builds a :class:`~dadjax.dad.DotGeneral`
     and the factory remembers the parent layer's ``kernel`` for :meth:`mask`.
     """
-    options = {k: v for k, v in self.options.items()
-               if k in DotGeneral.__dataclass_fields__ and k not in ("parent", "name")}
+    options = {k: v for k, v in self.options.items() if k in CONFIG_FIELDS or k == "config"}
 
     def build(**kwargs: Any) -> DotGeneral:
       op = DotGeneral(**{**options, **kwargs})
       if op.scope is not None:
         self._record(op.scope)
-        if op.mode != "local":
+        if op.config.mode != "local":
           self._kernels.add(tuple(op.scope.path)[:-1] + (KERNEL_PARAM,))
       return op
 
@@ -153,7 +153,7 @@ class DenseFactory:
     """Remember a model whose dAD layers were given outside a linen trace.
 
     For a model this factory does not build (an NNX model given dAD by
-    :func:`dadjax.nnx.inject_method`): ``kernels`` are the parameter paths
+    :func:`dadjax.dad.inject_method`): ``kernels`` are the parameter paths
     (tuples of names) of its synchronizing layers' kernels, and :meth:`mask`
     then marks them for that model's parameters.
     """

@@ -27,9 +27,9 @@ from dadjax.comm import (Bits, CommStats, allreduce, bits_add, bits_reduce, bits
                          ledger_init, ledger_record, tree_dense_bits)
 from dadjax.comm import STATE_COLLECTION
 from dadjax.dad._cost import choose_route, route_traffic
-from dadjax.dad._dot_general import (KERNEL_PARAM, KERNEL_STATE_NAME, DotGeneral, contraction,
+from dadjax.dad._dot_general import (KERNEL_PARAM, KERNEL_STATE_NAME, contraction,
                                      einsum_contraction)
-from dadjax.dad._module import Dense
+from dadjax.dad._module import Dense, DotGeneral
 from dadjax.dad._state import STATE_NAME, init_state
 from dadjax._core.trees import SpecMemo, check_axis_name, path_names
 
@@ -142,7 +142,7 @@ def layer_plan(model: nn.Module, *sample_args, num_sites: int | None = None,
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
     if isinstance(module, Dense) and context.method_name == "__call__":
-      config = module.config()
+      config = module.layer_config()
       shape = jax.ShapeDtypeStruct(np.shape(args[0]), args[0].dtype)
       rows, d_in, d_out = int(np.prod(shape.shape[:-1])), shape.shape[-1], module.features
       pdt = module.param_dtype
@@ -169,7 +169,7 @@ def layer_plan(model: nn.Module, *sample_args, num_sites: int | None = None,
 
   def _plan_dot(module, lhs, rhs, dims):
     c = contraction(np.shape(lhs), np.shape(rhs), dims)
-    config = module.config()
+    config = module.layer_config()
     dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     x = jax.ShapeDtypeStruct((c.rows, c.d_in), dtype)
     kernel = jax.ShapeDtypeStruct((c.d_in, c.d_out), dtype)

@@ -91,7 +91,7 @@ def model_fields(cls: Callable[..., Any]) -> list[str] | None:
 
 def _nnx_model(name: str, cls, num_classes: int, dense, seed: int, kwargs: dict):
   """An NNX class built with the convention of the module docstring; a dAD method's
-  factory (``dense``) gives its layers dAD (:func:`dadjax.nnx.inject_method`)."""
+  factory (``dense``) gives its layers dAD (:func:`dadjax.dad.inject_method`)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   if dense is not nn.Dense and not hasattr(dense, "record_kernels"):
     raise ValueError(f"model {name!r} is an NNX module: its layers get dAD from a dAD "
@@ -101,7 +101,7 @@ def _nnx_model(name: str, cls, num_classes: int, dense, seed: int, kwargs: dict)
     kwargs["num_classes"] = num_classes
   module = cls(**kwargs, rngs=nnx.Rngs(seed, dropout=seed))
   if dense is not nn.Dense:
-    from dadjax.nnx import inject_method  # pylint: disable=g-import-not-at-top
+    from dadjax.dad import inject_method  # pylint: disable=g-import-not-at-top
     inject_method(module, dense)
   return module
 
@@ -120,7 +120,7 @@ def get_model(name: str, num_classes: int, dense=nn.Dense, *, nnx_seed: int = 0,
   parameters drawn) with ``rngs=nnx.Rngs(nnx_seed, dropout=nnx_seed)``
   and no ``dense`` argument: a dAD method's factory gives its
   ``nnx.Linear`` / ``LinearGeneral`` / ``Einsum`` layers dAD
-  (:func:`dadjax.nnx.inject_method`). The returned ``nnx.Module`` goes to
+  (:func:`dadjax.dad.inject_method`). The returned ``nnx.Module`` goes to
   ``make_train_step`` as it is.
 
   Raises:
