@@ -25,7 +25,8 @@ matrix-vector products.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +121,8 @@ def factorize(
 ) -> Factors:
   """Rank-``rank`` factorization of ``G = a.T @ d (+ memory)`` by deflated power iteration.
 
-  Long because of its docstring (the structured power iteration's contract); the code is one loop.
+  Long because of its docstring (the structured power iteration's contract); the code sets up
+  an :class:`_Iteration` for :func:`_deflated_factors` or :func:`_block_factors`.
 
   Component k starts from ``init[:, k]`` (a warm start) when that column is
   non-zero, else from :func:`~dadjax._core.keys.hash_uniform` ``(key, k)``; the
@@ -200,69 +202,93 @@ def factorize(
     memory = pow2_scale(memory.astype(dtype), -(e_a + e_d))
   route = product_route(n, d_in, d_out, rank * iters, memory is not None)
   g_mv, gtg_mv = _operators(a, d, memory, route, precision)
-  resolution = float(np.sqrt(np.finfo(np.dtype(dtype)).eps))
-  cap = min(n, d_in, d_out)  # rank(G) <= cap: further components are round-off
-
-  refs = [a, d, jax.random.key_data(key)] + [x for x in (init, memory) if x is not None]
-  if method == "block":
-    us, basis, sigmas, used = _block_factors(g_mv, gtg_mv, rank=rank, iters=iters, tol=tol,
-                                             key=key, init=init, shape=(d_in, d_out),
-                                             dtype=dtype, cap=cap, resolution=resolution,
-                                             refs=refs)
-    us, sigmas = pow2_scale(us, e_a + e_d), pow2_scale(sigmas, e_a + e_d)
-    return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
-                   iterations=used)
-
-  def component(k, carry):
-    # One loop over components (not a Python unroll) keeps compile time
-    # independent of the rank.
-    basis, us, sigmas, used, alive, sigma0 = carry
-    alive = alive & (k < cap)
-    start = hash_uniform(key, k, d_out, dtype)
-    b0, _ = project_out(start, basis, resolution)
-    if init is not None:
-      warm = jax.lax.dynamic_index_in_dim(init, k, axis=1, keepdims=False).astype(dtype)
-      warm, warm_norm = project_out(warm, basis, resolution)
-      b0 = jnp.where(warm_norm > 0, warm, b0)
-
-    def cond(inner):
-      it, _, change = inner
-      # Once a component is masked so are all later ones: skip their work.
-      return alive & (it < iters) & (change >= tol)
-
-    def body(inner):
-      it, b, _ = inner
-      b_new, _ = project_out(gtg_mv(b), basis, resolution)
-      return it + 1, b_new, jnp.linalg.norm(b_new - b)
-
-    inner = jax.tree.map(lambda c: vary_like(c, *refs),
-                         (jnp.int32(0), b0, jnp.asarray(jnp.inf, dtype)))
-    it, b, _ = jax.lax.while_loop(cond, body, inner)
-    u = g_mv(b)
-    sigma = safe_norm(u)
-    sigma0 = jnp.where(k == 0, sigma, sigma0)
-    keep = alive & (sigma > 0) & (sigma > resolution * sigma0) & jnp.isfinite(sigma)
-    basis = basis.at[:, k].set(jnp.where(keep, b, 0))
-    us = us.at[:, k].set(jnp.where(keep, u, 0))
-    sigmas = sigmas.at[k].set(jnp.where(keep, sigma, 0))
-    used = used.at[k].set(it)
-    return basis, us, sigmas, used, keep, sigma0
-
-  carry = (jnp.zeros((d_out, rank), dtype), jnp.zeros((d_in, rank), dtype),
-           jnp.zeros((rank,), dtype), jnp.zeros((rank,), jnp.int32), jnp.bool_(True),
-           jnp.zeros((), dtype))
-  carry = jax.tree.map(lambda c: vary_like(c, *refs), carry)
-  basis, us, sigmas, used, _, _ = jax.lax.fori_loop(0, rank, component, carry)
+  refs = (a, d, jax.random.key_data(key)) + tuple(x for x in (init, memory) if x is not None)
+  spec = _Iteration(g_mv, gtg_mv, rank, iters, tol, key, init, (d_in, d_out), dtype,
+                    cap=min(n, d_in, d_out),  # rank(G) <= cap: further components are round-off
+                    resolution=float(np.sqrt(np.finfo(np.dtype(dtype)).eps)), refs=refs)
+  run = _block_factors if method == "block" else _deflated_factors
+  us, basis, sigmas, used = run(spec)
   us, sigmas = pow2_scale(us, e_a + e_d), pow2_scale(sigmas, e_a + e_d)
   return Factors(u=us, v=basis, sigma=sigmas, rank=jnp.sum(sigmas > 0).astype(jnp.int32),
                  iterations=used)
 
 
-def _block_factors(g_mv, gtg_mv, *, rank, iters, tol, key, init, shape, dtype, cap, resolution,
-                   refs):
+class _Iteration(NamedTuple):
+  """The setup of one factorization, in the scaled units (what the iterations share).
+
+  ``g_mv`` / ``gtg_mv``: ``b -> G b`` and ``b -> G^T G b``; ``shape``:
+  ``(d_in, d_out)``; ``cap``: ``min(n, d_in, d_out)``, the components ``G``
+  can have; ``resolution``: ``sqrt(eps)`` of ``dtype``; ``refs``: the
+  operands whose variance (per site under ``shard_map``) the loop carries take.
+  """
+
+  g_mv: Any
+  gtg_mv: Any
+  rank: int
+  iters: int
+  tol: float
+  key: jax.Array
+  init: jax.Array | None
+  shape: tuple[int, int]
+  dtype: Any
+  cap: int
+  resolution: float
+  refs: tuple
+
+
+def _deflated_component(spec: _Iteration, k, carry):
+  """Component ``k`` of the deflated iteration: start, iterate ``G^T G`` deflated, keep or mask."""
+  basis, us, sigmas, used, alive, sigma0 = carry
+  alive = alive & (k < spec.cap)
+  start = hash_uniform(spec.key, k, spec.shape[1], spec.dtype)
+  b0, _ = project_out(start, basis, spec.resolution)
+  if spec.init is not None:
+    warm = jax.lax.dynamic_index_in_dim(spec.init, k, axis=1, keepdims=False).astype(spec.dtype)
+    warm, warm_norm = project_out(warm, basis, spec.resolution)
+    b0 = jnp.where(warm_norm > 0, warm, b0)
+
+  def cond(inner):
+    it, _, change = inner
+    # Once a component is masked so are all later ones: skip their work.
+    return alive & (it < spec.iters) & (change >= spec.tol)
+
+  def body(inner):
+    it, b, _ = inner
+    b_new, _ = project_out(spec.gtg_mv(b), basis, spec.resolution)
+    return it + 1, b_new, jnp.linalg.norm(b_new - b)
+
+  inner = jax.tree.map(lambda c: vary_like(c, *spec.refs),
+                       (jnp.int32(0), b0, jnp.asarray(jnp.inf, spec.dtype)))
+  it, b, _ = jax.lax.while_loop(cond, body, inner)
+  u = spec.g_mv(b)
+  sigma = safe_norm(u)
+  sigma0 = jnp.where(k == 0, sigma, sigma0)
+  keep = alive & (sigma > 0) & (sigma > spec.resolution * sigma0) & jnp.isfinite(sigma)
+  basis = basis.at[:, k].set(jnp.where(keep, b, 0))
+  us = us.at[:, k].set(jnp.where(keep, u, 0))
+  sigmas = sigmas.at[k].set(jnp.where(keep, sigma, 0))
+  used = used.at[k].set(it)
+  return basis, us, sigmas, used, keep, sigma0
+
+
+def _deflated_factors(spec: _Iteration):
+  """One component at a time: ``(u, v, sigma, iterations)`` of :func:`factorize`'s
+  ``method="deflated"``, in the scaled units. One loop over components (not a Python
+  unroll) keeps compile time independent of the rank."""
+  d_in, d_out = spec.shape
+  carry = (jnp.zeros((d_out, spec.rank), spec.dtype), jnp.zeros((d_in, spec.rank), spec.dtype),
+           jnp.zeros((spec.rank,), spec.dtype), jnp.zeros((spec.rank,), jnp.int32),
+           jnp.bool_(True), jnp.zeros((), spec.dtype))
+  carry = jax.tree.map(lambda c: vary_like(c, *spec.refs), carry)
+  basis, us, sigmas, used, _, _ = jax.lax.fori_loop(
+      0, spec.rank, functools.partial(_deflated_component, spec), carry)
+  return us, basis, sigmas, used
+
+
+def _block_factors(spec: _Iteration):
   """Subspace iteration on ``G^T G``: ``(u, v, sigma, iterations)`` of :func:`factorize`'s
   ``method="block"``, in the scaled units (the caller scales ``u`` and ``sigma`` back)."""
-  d_in, d_out = shape
+  g_mv, gtg_mv, rank, iters, tol, key, init, (d_in, d_out), dtype, cap, resolution, refs = spec
   width = min(rank, d_in, d_out)  # a QR basis has at most d_out columns; G at most d_in
   starts = jax.vmap(lambda k: hash_uniform(key, k, d_out, dtype), out_axes=1)(jnp.arange(width))
   if init is not None:
