@@ -21,9 +21,10 @@ from dadjax.netlab._lab import (
     sweep,
 )
 from dadjax.netlab._bench import measure_collectives
+from dadjax.netlab._cli import add_parser
 from dadjax.netlab._model import collective_operands, predicted_comm
 from dadjax.netlab._run import LabRun, run_in_lab
 
 __all__ = ["Lab", "LabRun", "LabUnavailable", "run_in_lab", "check_available", "sweep",
            "parse_rate", "parse_time", "measure_collectives", "collective_operands",
-           "predicted_comm"]
+           "predicted_comm", "add_parser"]

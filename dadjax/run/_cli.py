@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
   _plugin_flag(p_methods)
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)
-  from dadjax.netlab._cli import add_parser as add_netlab  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab import add_parser as add_netlab  # pylint: disable=g-import-not-at-top
   add_netlab(sub, _debug_flag)
   return parser
 
