@@ -151,23 +151,46 @@ def initialize(
     ValueError: a bad rank or process count, a network identity without
       gloo, or a backend that has already started (call this first).
   """
-  if num_processes is not None and num_processes < 1:
-    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
-  identity = collectives_hostname is not None or collectives_interface is not None
-  if identity and cpu_collectives != "gloo":
-    raise ValueError("collectives_hostname / collectives_interface set gloo's network identity; "
-                     f"they need cpu_collectives='gloo', got {cpu_collectives!r} (for NCCL set "
-                     "NCCL_SOCKET_IFNAME in the environment)")
-  for name, value in (("collectives_hostname", collectives_hostname),
-                      ("collectives_interface", collectives_interface)):
-    if value is not None and not (isinstance(value, str) and value):
-      raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+  _check_processes(num_processes, process_id)
+  identity = _check_identity(cpu_collectives, collectives_hostname, collectives_interface)
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
   if identity:
     _register_gloo_cpu_client(collectives_hostname, collectives_interface)
+  jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=local_device_ids,
+      **_runtime_options(coordinator_bind_address, initialization_timeout, heartbeat_timeout,
+                         shutdown_timeout),
+  )
+
+
+def _check_processes(num_processes: int | None, process_id: int | None) -> None:
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+
+
+def _check_identity(cpu_collectives: str | None, hostname: str | None,
+                    interface: str | None) -> bool:
+  """Whether gloo's network identity is set (and set right: only with gloo, non-empty strings)."""
+  identity = hostname is not None or interface is not None
+  if identity and cpu_collectives != "gloo":
+    raise ValueError("collectives_hostname / collectives_interface set gloo's network identity; "
+                     f"they need cpu_collectives='gloo', got {cpu_collectives!r} (for NCCL set "
+                     "NCCL_SOCKET_IFNAME in the environment)")
+  for name, value in (("collectives_hostname", hostname), ("collectives_interface", interface)):
+    if value is not None and not (isinstance(value, str) and value):
+      raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+  return identity
+
+
+def _runtime_options(coordinator_bind_address, initialization_timeout, heartbeat_timeout,
+                     shutdown_timeout) -> dict:
+  """``jax.distributed.initialize``'s keyword arguments for the options given (JAX's defaults else)."""
   kwargs = {}
   if coordinator_bind_address is not None:
     kwargs["coordinator_bind_address"] = coordinator_bind_address
@@ -177,13 +200,7 @@ def initialize(
     kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout)
   if shutdown_timeout is not None:
     kwargs["shutdown_timeout_seconds"] = int(shutdown_timeout)
-  jax.distributed.initialize(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
-      local_device_ids=local_device_ids,
-      **kwargs,
-  )
+  return kwargs
 
 
 def _register_gloo_cpu_client(hostname: str | None, interface: str | None) -> None:
