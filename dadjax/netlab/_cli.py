@@ -35,7 +35,8 @@ def add_parser(sub, debug_flag) -> None:
 def _netlab(args: argparse.Namespace) -> int:
   from dadjax.run import load_config  # pylint: disable=g-import-not-at-top
   from dadjax.errors import DadjaxError  # pylint: disable=g-import-not-at-top
-  from dadjax.netlab import Lab, run_in_lab  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab._lab import Lab  # pylint: disable=g-import-not-at-top
+  from dadjax.netlab._run import run_in_lab  # pylint: disable=g-import-not-at-top
   config = load_config(args.config, args.overrides).replace(num_sites=args.sites)
   if config.per_site != 1:
     raise DadjaxError("netlab runs one device per site: per_site must be 1")
