@@ -11,10 +11,9 @@ is its name in Flax's registry (``nnx.register_variable_name``:
 the wrapper takes the collections the step knows: ``"params"`` (the
 gradient's tree), every collection with a registered rule
 (:func:`~dadjax._core.protocols.register_rule`; a method family registers
-its own, e.g. dAD's ``"dad_state"`` and ``"dad_bucket"``), and the
-``collections`` it is given (the step's ``mutable``, default
-``("batch_stats",)``: mutable, averaged over sites). Other variable types
-are refused.
+its own at import), and the ``collections`` it is given (the step's
+``mutable``, default ``("batch_stats",)``: mutable, averaged over sites).
+Other variable types are refused.
 
 RNG streams (``nnx.Rngs`` held by ``nnx.Dropout``, ...) stay inside the
 wrapper; each call reseeds them from the step's key for the stream

@@ -263,3 +263,21 @@ def test_nnx_refuses_rank_low_with_batch_axes_as_linen_does():
   with pytest.raises(ValueError, match="rank_low") as nnx_error:
     layer(x)
   assert str(nnx_error.value) == str(linen_error.value)
+
+
+def test_the_nnx_adapter_knows_no_family():
+  # dadjax.nnx.Model takes its collections from the registered rules and Flax's name
+  # registry; the dAD layer for NNX lives in dadjax.dad.
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  source = pathlib.Path(dnx.__file__).read_text()
+  imported = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ImportFrom):
+      imported.add(node.module or "")
+    elif isinstance(node, ast.Import):
+      imported.update(alias.name for alias in node.names)
+  families = tuple(f"dadjax.{f}" for f in ("dad", "compress", "dataquant", "local", "adaptive"))
+  assert not [m for m in imported if m.startswith(families)]
+  assert "dad_state" not in source and "DadState" not in source
+  assert dnx.__all__ == ["Model"]
