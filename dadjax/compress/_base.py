@@ -29,6 +29,7 @@ compressor gets :func:`one_round_exchange`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -281,57 +282,74 @@ def leafwise(
   """
   if communication not in COMMUNICATIONS:
     raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
-  what = name or "compressor"
+  opts = _Leafwise(name, group_same_shapes)
+  decompress = functools.partial(_over_leaves, opts, decompress_leaf)
+  if aggregate_leaf is None:
+    aggregate_leaf = functools.partial(_mean_leaf, decompress_leaf)
+  return Compressor(functools.partial(_leafwise_init, opts),
+                    functools.partial(_leafwise_compress, opts, compress_leaf), decompress,
+                    tree_nbits, communication,
+                    functools.partial(_over_leaves, opts, aggregate_leaf), name=name,
+                    shardable=shardable)
 
-  def init(params):
-    check_float_leaves(params, what)
-    return EmptyState()
 
-  def compress(grads, state, key):
-    key = as_keys(key)
-    check_float_leaves(grads, what)
-    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-    paths = [leaf_path(p) for p, _ in leaves]
-    xs = [x for _, x in leaves]
-    payload = [()] * len(xs)
-    if shard_axes() is not None:  # sharded: whole-tensor statistics need each leaf's own slicing
-      for i, x in enumerate(xs):
-        with current_leaf(paths[i]):
-          payload[i] = () if _empty(x) else compress_leaf(x, leaf_keys(key, paths[i], name))
-      return tuple(payload), state
-    for group in same_shape_groups(xs, group_same_shapes):
-      outs = _vmapped(compress_leaf, [xs[i] for i in group],
-                      group_keys(key, [paths[i] for i in group], name))
-      for i, out in zip(group, outs):
-        payload[i] = out
+class _Leafwise(NamedTuple):
+  """The options of :func:`leafwise` its parts share."""
+
+  name: str
+  group_same_shapes: bool
+
+  @property
+  def what(self) -> str:
+    return self.name or "compressor"
+
+
+def _leafwise_init(opts: _Leafwise, params):
+  check_float_leaves(params, opts.what)
+  return EmptyState()
+
+
+def _leafwise_compress(opts: _Leafwise, compress_leaf, grads, state, key):
+  """``compress_leaf`` on every leaf with its own keys, a group of same-shape leaves at a time."""
+  key = as_keys(key)
+  check_float_leaves(grads, opts.what)
+  leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  paths = [leaf_path(p) for p, _ in leaves]
+  xs = [x for _, x in leaves]
+  payload = [()] * len(xs)
+  if shard_axes() is not None:  # sharded: whole-tensor statistics need each leaf's own slicing
+    for i, x in enumerate(xs):
+      with current_leaf(paths[i]):
+        payload[i] = () if _empty(x) else compress_leaf(x, leaf_keys(key, paths[i], opts.name))
     return tuple(payload), state
+  for group in same_shape_groups(xs, opts.group_same_shapes):
+    outs = _vmapped(compress_leaf, [xs[i] for i in group],
+                    group_keys(key, [paths[i] for i in group], opts.name))
+    for i, out in zip(group, outs):
+      payload[i] = out
+  return tuple(payload), state
 
-  def mean_leaf(gathered, like, key):
-    per_site = jax.vmap(lambda p: decompress_leaf(p, like, key))(gathered)
-    return jnp.mean(per_site.astype(jnp.float32), axis=0).astype(like.dtype)
 
-  def over_leaves(leaf_fn):
-    """Lift ``leaf_fn(payload_i, like_i, keys_i)`` to the whole payload tuple, a group of
-    same-shape leaves at a time."""
+def _mean_leaf(decompress_leaf, gathered, like, key):
+  """The mean of every site's decompressed leaf (the default ``aggregate_leaf``)."""
+  per_site = jax.vmap(lambda p: decompress_leaf(p, like, key))(gathered)
+  return jnp.mean(per_site.astype(jnp.float32), axis=0).astype(like.dtype)
 
-    def apply(payload, like, key):
-      key = as_keys(key)
-      like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-      likes = [l for _, l in like_leaves]
-      out = [jnp.zeros(l.shape, l.dtype) if _empty(l) else None for l in likes]
-      for group in same_shape_groups(likes, group_same_shapes):
-        like0 = likes[group[0]]
-        keys = group_keys(key, [leaf_path(like_leaves[i][0]) for i in group], name)
-        results = _vmapped(lambda p, k: leaf_fn(p, like0, k), [payload[i] for i in group], keys)
-        for i, r in zip(group, results):
-          out[i] = r
-      return jax.tree.unflatten(treedef, out)
 
-    return apply
-
-  aggregate = over_leaves(mean_leaf if aggregate_leaf is None else aggregate_leaf)
-  return Compressor(init, compress, over_leaves(decompress_leaf), tree_nbits, communication,
-                    aggregate, name=name, shardable=shardable)
+def _over_leaves(opts: _Leafwise, leaf_fn, payload, like, key):
+  """``leaf_fn(payload_i, like_i, keys_i)`` over the whole payload tuple, a group of same-shape
+  leaves at a time."""
+  key = as_keys(key)
+  like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  likes = [l for _, l in like_leaves]
+  out = [jnp.zeros(l.shape, l.dtype) if _empty(l) else None for l in likes]
+  for group in same_shape_groups(likes, opts.group_same_shapes):
+    like0 = likes[group[0]]
+    keys = group_keys(key, [leaf_path(like_leaves[i][0]) for i in group], opts.name)
+    results = _vmapped(lambda p, k: leaf_fn(p, like0, k), [payload[i] for i in group], keys)
+    for i, r in zip(group, results):
+      out[i] = r
+  return jax.tree.unflatten(treedef, out)
 
 
 def _empty(x) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple
 
@@ -96,27 +97,38 @@ def compressed(
   axis_name = check_axis_name(axis_name)
   if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
     raise ValueError(f"seed must be an int, got {seed!r}")
-  seed = int(seed)
-  specs = SpecMemo("compressed")
-
-  def init_fn(params):
-    check_float_leaves(params, "compressed")
-    specs.record(params)
-    return CompressedState(jnp.zeros([], jnp.int32), compressor.init(params), ledger_init())
-
-  def update_fn(updates, state, params=None):
-    del params
-    if not compressor.shardable:
-      require_whole_leaves(compressor.name or "this compressor", shardable_compressors)
-    specs.check(updates)
-    check_float_leaves(updates, "compressed")
-    keys = step_keys(seed, state.count, axis_name)
-    out = exchange(compressor, updates, state.inner, keys, axis_name)
-    comm = ledger_record(state.comm, reduce=out.traffic.reduce, gather=out.traffic.gather,
-                         dense=tree_dense_bits(updates),
-                         reduce_calls=out.traffic.reduce_calls,
-                         gather_calls=out.traffic.gather_calls)
-    return out.mean, CompressedState(state.count + 1, out.state, comm)
-
+  opts = _Compressed(compressor, axis_name, int(seed), SpecMemo("compressed"))
   # a leaf stacked by nn.scan is compressed, counted and booked layer by layer
-  return per_layer(optax.GradientTransformation(init_fn, update_fn))
+  return per_layer(optax.GradientTransformation(functools.partial(_compressed_init, opts),
+                                                functools.partial(_compressed_update, opts)))
+
+
+class _Compressed(NamedTuple):
+  """The options of :func:`compressed`; ``specs`` remembers the params' layout at ``init``."""
+
+  compressor: Compressor
+  axis_name: Any
+  seed: int
+  specs: SpecMemo
+
+
+def _compressed_init(opts: _Compressed, params) -> CompressedState:
+  check_float_leaves(params, "compressed")
+  opts.specs.record(params)
+  return CompressedState(jnp.zeros([], jnp.int32), opts.compressor.init(params), ledger_init())
+
+
+def _compressed_update(opts: _Compressed, updates, state: CompressedState, params=None):
+  """The exchange of ``updates`` through the compressor, booked in the ledger."""
+  del params
+  compressor = opts.compressor
+  if not compressor.shardable:
+    require_whole_leaves(compressor.name or "this compressor", shardable_compressors)
+  opts.specs.check(updates)
+  check_float_leaves(updates, "compressed")
+  keys = step_keys(opts.seed, state.count, opts.axis_name)
+  out = exchange(compressor, updates, state.inner, keys, opts.axis_name)
+  comm = ledger_record(state.comm, reduce=out.traffic.reduce, gather=out.traffic.gather,
+                       dense=tree_dense_bits(updates), reduce_calls=out.traffic.reduce_calls,
+                       gather_calls=out.traffic.gather_calls)
+  return out.mean, CompressedState(state.count + 1, out.state, comm)
