@@ -1,7 +1,19 @@
-"""The main job: `dadjax demo` prints and writes the comparison table."""
-from dadjax import cli
+"""The main job: `dadjax demo` prints and writes the comparison table; the published tables
+(the README's, docs/results.md's short run) are what the commands next to them print."""
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
 from dadjax.run._demo import DEFAULT_METHODS
 from dadjax.registry import split_specs
+
+ROOT = pathlib.Path(__file__).parent.parent
+DOCS = ROOT / "docs"
 
 
 def test_demo_covers_compressors_and_dad():
@@ -9,12 +21,42 @@ def test_demo_covers_compressors_and_dad():
     assert spec in DEFAULT_METHODS
 
 
-def test_demo_table_and_plot(tmp_path, capsys):
-  methods = "allreduce,topk:0.01,powersgd:2,dad,rank_dad:2,dataquant:2:classes=10,accordion(powersgd:2,powersgd:1)"
-  assert cli.main(["demo", "--no-progress", "--steps", "12", "--methods", methods,
-                   "--out", str(tmp_path)]) == 0
-  out = capsys.readouterr().out
+def _published(page: pathlib.Path) -> tuple[list[str], list[str]]:
+  """The first ``dadjax demo`` command a page shows and the output printed under it: the
+  table, the baselines line and the network line."""
+  m = re.search(r"^```bash\n(dadjax demo[^\n]*)\n```\n(.*?^Network model:[^\n]*)$", page.read_text(),
+                re.S | re.M)
+  assert m, f"{page.name} shows no `dadjax demo` command with its table"
+  return shlex.split(m.group(1))[1:], [l for l in m.group(2).splitlines() if l.strip()]
+
+
+def _without_wall(lines: list[str]) -> list[str]:
+  """Every line but a table row's last cell (wall time, which no two machines share)."""
+  return [l.rsplit("|", 2)[0] if l.startswith("|") else l for l in lines]
+
+
+def _check_published(page, tmp_path):
+  """Runs the page's command as a user does (its own process, XLA's default optimization: the
+  suite's faster compile flags change a float's last bits) and compares its table."""
+  args, published = _published(page)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run([sys.executable, "-m", "dadjax.cli", *args, "--no-progress", "--out",
+                        str(tmp_path)], env=env, capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = run.stdout
   table = (tmp_path / "table.md").read_text()
+  assert table.strip() in out
+  written = [l for l in table.splitlines() if l.strip()]
+  assert _without_wall(written) == _without_wall(published), (
+      f"{page.name}'s demo table differs from what `dadjax {' '.join(args)}` prints now; "
+      f"paste the new table:\n{table}")
+  return args, table
+
+
+def test_published_demo_table_and_plot(tmp_path):
+  """The short demo run docs/results.md publishes is what the command prints (wall aside)."""
+  args, table = _check_published(DOCS / "results.md", tmp_path)
+  methods = args[args.index("--methods") + 1]
   assert (tmp_path / "accuracy_vs_bits.png").stat().st_size > 10_000
   rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:] if line.startswith("|")}
   assert set(rows) == set(split_specs(methods))
@@ -22,7 +64,13 @@ def test_demo_table_and_plot(tmp_path, capsys):
   # Every compressed / factored method sends fewer bits than fp32.
   bits = {m: int(r.split("|")[4].strip().replace(",", "")) for m, r in rows.items()}
   assert all(bits[m] < bits["allreduce"] for m in bits if m != "allreduce")
-  assert table.strip() in out
+
+
+@pytest.mark.slow
+def test_readme_demo_table_is_what_make_demo_prints(tmp_path):
+  """The README's table is `dadjax demo` (what `make demo` runs) at its defaults (wall aside)."""
+  args, _ = _check_published(ROOT / "README.md", tmp_path)
+  assert args == ["demo"]
 
 
 def test_cli_rows_and_demo_table_are_one_read_out(tmp_path):
