@@ -9,8 +9,9 @@ quantized all-reduce whose cost does not grow with the number of sites.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +86,6 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
          route: str = "one_round") -> Compressor:
   """QSGD: stochastic rounding of ``|g_i| / ||g||_2`` onto ``levels`` levels.
 
-  Long because it is one compressor factory: its per-leaf and one-buffer forms share the
-  levels, the buckets and the code layout.
-
   For a bucket ``v`` (the whole tensor by default) each entry becomes
   ``||v||_2 * sign(v_i) * l_i / s`` with ``s = levels`` and ``l_i`` in
   ``{0, ..., s}`` rounded up with probability ``s |v_i| / ||v||_2 - floor(.)``,
@@ -124,64 +122,85 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
   if bucket_size is not None:
     bucket_size = check_int("bucket_size", bucket_size, 1)
   draw = _noise_draw(noise)
-  bits = 1 + code_bits(s + 1)
+  opts = _Qsgd(s, 1 + code_bits(s + 1), bucket_size, noise, draw)
+  bound = lambda f: functools.partial(f, opts)
+  base = leafwise(bound(_qsgd_compress_leaf), bound(_qsgd_decompress_leaf), "gather",
+                  name="qsgd", shardable=bucket_size is None)
+  return two_phase(seg.segmented(base, bound(_qsgd_compress_all), bound(_qsgd_decode_all)),
+                   _qsgd_codec(s, opts.bits, bucket_size, draw), route)
 
-  def _buckets(d):
-    b = d if bucket_size is None else min(bucket_size, d)
-    return b, -(-d // b)
 
-  def compress_leaf(x, key):
-    flat = x.reshape(-1).astype(jnp.float32)
-    d = flat.shape[0]
-    if bucket_size is None:  # one norm per tensor: a sharded slice takes the whole tensor's
-      v, norm = flat[None], _whole_norm(flat)[None]  # no underflow of tiny g^2
-      u = slice_uniform(key.site, x.shape, draw).reshape(v.shape)
-    else:  # buckets run across slices: not shardable (the flag below)
-      b, nb = _buckets(d)
-      v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
-      norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
-      u = draw(key.site, v.size).reshape(v.shape)
-    codes = _qsgd_codes(v, norm[:, None], u, s)
-    words = pack_bits(codes.reshape(-1)[:d], bits)
-    return QuantizedPayload(norm if bucket_size is not None else norm[0], words)
+class _Qsgd(NamedTuple):
+  """The options of :func:`qsgd`, checked: ``s`` levels, ``bits`` per entry, buckets, noise."""
 
-  def decompress_leaf(p, like, key):
-    del key
-    d = _size(like)
-    b, _ = _buckets(d)
-    codes = unpack_bits(p.words, bits, d)
-    norm = jnp.repeat(jnp.atleast_1d(p.scale), b)[:d]
-    return _qsgd_values(codes, norm, s).reshape(like.shape).astype(like.dtype)
+  s: int
+  bits: int
+  bucket_size: int | None
+  noise: str
+  draw: Any
 
-  def entry_norms(norm, d):
-    """A leaf's norm(s) (batch + () or batch + (buckets,)) repeated to its entries: batch + (d,)."""
-    if bucket_size is None:
-      return jnp.broadcast_to(norm[..., None], norm.shape + (d,))
-    return jnp.repeat(norm, _buckets(d)[0], axis=-1)[..., :d]
 
-  def compress_all(xs, paths, key):
-    flats = [x.reshape(-1).astype(jnp.float32) for x in xs]
-    lay = seg.layout([f.size for f in flats])
-    if bucket_size is None:
-      norms = [safe_norm(f) for f in flats]
-    else:
-      norms = [safe_norm(jnp.pad(f, (0, nb * b - f.size)).reshape(nb, b), axis=1)
-               for f in flats for b, nb in [_buckets(f.size)]]
-    norm = seg.segments([entry_norms(n, f.size) for n, f in zip(norms, flats)], lay, 1.0)
-    u = _segment_noise(noise, seg.leaf_site_keys(key.site, "qsgd", paths), lay)
-    words = seg.pack_segments(_qsgd_codes(seg.segments(flats, lay), norm, u, s), bits, lay)
-    return [QuantizedPayload(n, w) for n, w in zip(norms, words)]
+def _qsgd_buckets(opts: _Qsgd, d: int) -> tuple[int, int]:
+  """Bucket length and number of buckets of a leaf of ``d`` entries."""
+  b = d if opts.bucket_size is None else min(opts.bucket_size, d)
+  return b, -(-d // b)
 
-  def decode_all(payloads, likes):
-    lay = seg.layout(seg.sizes_of(likes))
-    codes = seg.unpack_segments([p.words for p in payloads], bits, lay)
-    norm = seg.segments([entry_norms(p.scale, d) for p, d in zip(payloads, lay.counts)], lay, 1.0)
-    return seg.split(_qsgd_values(codes, norm, s), lay)
 
-  base = leafwise(compress_leaf, decompress_leaf, "gather", name="qsgd",
-                  shardable=bucket_size is None)
-  return two_phase(seg.segmented(base, compress_all, decode_all),
-                    _qsgd_codec(s, bits, bucket_size, draw), route)
+def _qsgd_compress_leaf(opts: _Qsgd, x, key):
+  flat = x.reshape(-1).astype(jnp.float32)
+  d = flat.shape[0]
+  if opts.bucket_size is None:  # one norm per tensor: a sharded slice takes the whole tensor's
+    v, norm = flat[None], _whole_norm(flat)[None]  # no underflow of tiny g^2
+    u = slice_uniform(key.site, x.shape, opts.draw).reshape(v.shape)
+  else:  # buckets run across slices: not shardable (the flag in qsgd)
+    b, nb = _qsgd_buckets(opts, d)
+    v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
+    norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
+    u = opts.draw(key.site, v.size).reshape(v.shape)
+  codes = _qsgd_codes(v, norm[:, None], u, opts.s)
+  words = pack_bits(codes.reshape(-1)[:d], opts.bits)
+  return QuantizedPayload(norm if opts.bucket_size is not None else norm[0], words)
+
+
+def _qsgd_decompress_leaf(opts: _Qsgd, p, like, key):
+  del key
+  d = _size(like)
+  b, _ = _qsgd_buckets(opts, d)
+  codes = unpack_bits(p.words, opts.bits, d)
+  norm = jnp.repeat(jnp.atleast_1d(p.scale), b)[:d]
+  return _qsgd_values(codes, norm, opts.s).reshape(like.shape).astype(like.dtype)
+
+
+def _qsgd_entry_norms(opts: _Qsgd, norm, d: int):
+  """A leaf's norm(s) (batch + () or batch + (buckets,)) repeated to its entries: batch + (d,)."""
+  if opts.bucket_size is None:
+    return jnp.broadcast_to(norm[..., None], norm.shape + (d,))
+  return jnp.repeat(norm, _qsgd_buckets(opts, d)[0], axis=-1)[..., :d]
+
+
+def _qsgd_compress_all(opts: _Qsgd, xs, paths, key):
+  """Every leaf's codes in one segmented buffer (one noise draw, one packing)."""
+  flats = [x.reshape(-1).astype(jnp.float32) for x in xs]
+  lay = seg.layout([f.size for f in flats])
+  if opts.bucket_size is None:
+    norms = [safe_norm(f) for f in flats]
+  else:
+    norms = [safe_norm(jnp.pad(f, (0, nb * b - f.size)).reshape(nb, b), axis=1)
+             for f in flats for b, nb in [_qsgd_buckets(opts, f.size)]]
+  norm = seg.segments([_qsgd_entry_norms(opts, n, f.size) for n, f in zip(norms, flats)], lay,
+                      1.0)
+  u = _segment_noise(opts.noise, seg.leaf_site_keys(key.site, "qsgd", paths), lay)
+  words = seg.pack_segments(_qsgd_codes(seg.segments(flats, lay), norm, u, opts.s), opts.bits,
+                            lay)
+  return [QuantizedPayload(n, w) for n, w in zip(norms, words)]
+
+
+def _qsgd_decode_all(opts: _Qsgd, payloads, likes):
+  lay = seg.layout(seg.sizes_of(likes))
+  codes = seg.unpack_segments([p.words for p in payloads], opts.bits, lay)
+  norm = seg.segments([_qsgd_entry_norms(opts, p.scale, d) for p, d in zip(payloads, lay.counts)],
+                      lay, 1.0)
+  return seg.split(_qsgd_values(codes, norm, opts.s), lay)
 
 
 def _qsgd_codec(s: int, bits: int, block: int | None, draw) -> Codec:
@@ -377,56 +396,69 @@ def sign(route: str = "one_round") -> Compressor:
     Tolerant", ICLR 2019 (https://arxiv.org/abs/1810.05291).
   """
 
-  def compress_leaf(x, key):
-    del key
-    abstain = whole_max(jnp.max(jnp.abs(x))) == 0  # the whole tensor has no gradient here
-    return pack_bits(jnp.concatenate([_sign_codes(x), abstain.astype(jnp.uint32)[None]]), 1)
+  base = leafwise(_sign_compress_leaf, _sign_decompress_leaf, "gather", _sign_aggregate_leaf,
+                  name="sign", shardable=True)
+  return two_phase(seg.segmented(base, _sign_compress_all, _sign_decode_all, _sign_aggregate_all),
+                   _sign_codec(), route)
 
-  def decompress_leaf(words, like, key):
-    del key
-    d = _size(like)
-    codes = unpack_bits(words, 1, d + 1)
-    votes = jnp.where(codes[:d] == 1, -1.0, 1.0) * (codes[d] == 0)
-    return votes.reshape(like.shape).astype(like.dtype)
 
-  def aggregate_leaf(gathered, like, key):
-    del key
-    d = _size(like)
-    codes = jax.vmap(lambda w: unpack_bits(w, 1, d + 1))(gathered)
-    negatives = jnp.sum(codes[:, :d], axis=0, dtype=jnp.int32)
-    voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
-    return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
+def _sign_compress_leaf(x, key):
+  """One tensor: its 1-bit signs and one abstain bit, packed."""
+  del key
+  abstain = whole_max(jnp.max(jnp.abs(x))) == 0  # the whole tensor has no gradient here
+  return pack_bits(jnp.concatenate([_sign_codes(x), abstain.astype(jnp.uint32)[None]]), 1)
 
-  def flags(lay):
-    """Buffer positions of each leaf's abstain code (right after its ``d`` signs)."""
-    return np.array([o + d - 1 for o, d in zip(lay.offsets, lay.counts)])
 
-  def compress_all(xs, paths, key):
-    del paths, key
-    lay = seg.layout([x.size + 1 for x in xs])
-    abstain = jnp.stack([jnp.max(jnp.abs(x)) == 0 for x in xs]).astype(jnp.uint32)
-    codes = seg.segments([_sign_codes(x) for x in xs], lay).at[flags(lay)].set(abstain)
-    return seg.pack_segments(codes, 1, lay)
+def _sign_decompress_leaf(words, like, key):
+  """One site's votes: +-1, or 0 everywhere when it abstained."""
+  del key
+  d = _size(like)
+  codes = unpack_bits(words, 1, d + 1)
+  votes = jnp.where(codes[:d] == 1, -1.0, 1.0) * (codes[d] == 0)
+  return votes.reshape(like.shape).astype(like.dtype)
 
-  def decode_all(payloads, likes):
-    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
-    codes = seg.unpack_segments(payloads, 1, lay)
-    voting = seg.per_entry(list(jnp.moveaxis(codes[..., flags(lay)] == 0, -1, 0)), lay)
-    votes = jnp.where(codes == 1, -1.0, 1.0) * voting
-    return [v[..., :-1] for v in seg.split(votes, lay)]
 
-  def aggregate_all(gathered, likes):
-    lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
-    codes = seg.unpack_segments(gathered, 1, lay)  # (sites, N)
-    negatives = jnp.sum(codes, axis=0, dtype=jnp.int32)
-    voters = codes.shape[0] - jnp.sum(codes[:, flags(lay)], axis=0, dtype=jnp.int32)
-    vote = jnp.sign(seg.per_entry(list(voters), lay) - 2 * negatives)
-    return [v[:-1].reshape(l.shape).astype(l.dtype) for v, l in zip(seg.split(vote, lay), likes)]
+def _sign_aggregate_leaf(gathered, like, key):
+  """The majority of the voting sites (0 on a tie)."""
+  del key
+  d = _size(like)
+  codes = jax.vmap(lambda w: unpack_bits(w, 1, d + 1))(gathered)
+  negatives = jnp.sum(codes[:, :d], axis=0, dtype=jnp.int32)
+  voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
+  return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
 
-  base = leafwise(compress_leaf, decompress_leaf, "gather", aggregate_leaf, name="sign",
-                  shardable=True)
-  return two_phase(seg.segmented(base, compress_all, decode_all, aggregate_all), _sign_codec(),
-                    route)
+
+def _sign_flags(lay):
+  """Buffer positions of each leaf's abstain code (right after its ``d`` signs)."""
+  return np.array([o + d - 1 for o, d in zip(lay.offsets, lay.counts)])
+
+
+def _sign_compress_all(xs, paths, key):
+  """Every tensor's signs and abstain bit in one segmented buffer."""
+  del paths, key
+  lay = seg.layout([x.size + 1 for x in xs])
+  abstain = jnp.stack([jnp.max(jnp.abs(x)) == 0 for x in xs]).astype(jnp.uint32)
+  codes = seg.segments([_sign_codes(x) for x in xs], lay).at[_sign_flags(lay)].set(abstain)
+  return seg.pack_segments(codes, 1, lay)
+
+
+def _sign_decode_all(payloads, likes):
+  """One site's votes of every tensor, from the segmented buffer."""
+  lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+  codes = seg.unpack_segments(payloads, 1, lay)
+  voting = seg.per_entry(list(jnp.moveaxis(codes[..., _sign_flags(lay)] == 0, -1, 0)), lay)
+  votes = jnp.where(codes == 1, -1.0, 1.0) * voting
+  return [v[..., :-1] for v in seg.split(votes, lay)]
+
+
+def _sign_aggregate_all(gathered, likes):
+  """The majority vote of every tensor, from the sites' segmented buffers."""
+  lay = seg.layout([d + 1 for d in seg.sizes_of(likes)])
+  codes = seg.unpack_segments(gathered, 1, lay)  # (sites, N)
+  negatives = jnp.sum(codes, axis=0, dtype=jnp.int32)
+  voters = codes.shape[0] - jnp.sum(codes[:, _sign_flags(lay)], axis=0, dtype=jnp.int32)
+  vote = jnp.sign(seg.per_entry(list(voters), lay) - 2 * negatives)
+  return [v[:-1].reshape(l.shape).astype(l.dtype) for v, l in zip(seg.split(vote, lay), likes)]
 
 
 def _sign_codec() -> Codec:
