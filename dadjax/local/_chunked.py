@@ -10,6 +10,7 @@ packed at ``ceil(log2(chunk size))`` bits each (12 bits for a 64 x 64 block).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -83,79 +84,97 @@ def chunked_topk(k: int = 32, chunk: int = 64, *, dct: bool = False,
   if values is not None and not isinstance(values, Compressor):
     raise ValueError(f"chunked_topk: values must be None or a dadjax Compressor (e.g. "
                      f"dadjax.compress.terngrad()), got {type(values).__name__}")
-  name = ("dct_" if dct else "") + "chunked_topk"
+  opts = _Chunked(k, chunk, bool(dct), values, ("dct_" if dct else "") + "chunked_topk")
+  bound = lambda f: functools.partial(f, opts)
+  return Compressor(bound(_init), bound(_compress), bound(_decompress), tree_nbits, "gather",
+                    bound(_aggregate), name=opts.name)
 
-  def layouts(tree):
-    return [chunk_layout(tuple(jnp.shape(x)), chunk) for x in jax.tree.leaves(tree)]
 
-  def values_like(tree):
-    """The tree of kept values: one ``(chunks, k)`` array per leaf, paths kept."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct((lay.chunks, _kept(lay, k)), jnp.result_type(x))
-        for x, lay in zip(leaves, layouts(tree))])
+class _Chunked(NamedTuple):
+  """The options of :func:`chunked_topk`, checked."""
 
-  def init(params):
-    check_float_leaves(params, name)
-    if values is not None and jax.tree.leaves(values.init(values_like(params))):
-      raise ValueError(f"{name}: values must be a stateless compressor (no error feedback, no "
-                       "warm start): the kept values are new every exchange")
-    return EmptyState()
+  k: int
+  chunk: int
+  dct: bool
+  values: Compressor | None
+  name: str
 
-  def select(rows: jax.Array, layout: ChunkLayout):
-    """The catalog's top-k on every chunk: ``(values, positions)``, each ``(chunks, k)``."""
-    kept = _kept(layout, k)
-    top = topk(kept / layout.size)
-    one = lambda r: top.compress(r, EmptyState(), jax.random.key(0))[0][0]
-    sparse = jax.vmap(one)(rows)
-    return sparse.values, sparse.indices
 
-  def compress(grads, state, key):
-    check_float_leaves(grads, name)
-    leaves, treedef = jax.tree.flatten(grads)
-    kept, words = [], []
-    for x, lay in zip(leaves, layouts(grads)):
-      vals, pos = select(to_chunks(x, lay, dct), lay)
-      kept.append(vals.astype(x.dtype))
-      words.append(pack_bits(pos.reshape(-1).astype(jnp.uint32), code_bits(lay.size)))
-    vals = jax.tree.unflatten(treedef, kept)
-    if values is not None:
-      vals, _ = values.compress(vals, EmptyState(), key)
-    return ChunkedPayload(vals, tuple(words)), state
+def _layouts(opts: _Chunked, tree) -> list[ChunkLayout]:
+  return [chunk_layout(tuple(jnp.shape(x)), opts.chunk) for x in jax.tree.leaves(tree)]
 
-  def rows_of(payload, like, key):
-    """Every leaf's dense ``(chunks, size)`` rows of coefficients (fp32), from one payload."""
-    leaves = jax.tree.leaves(like)
-    lays = layouts(like)
-    vals = payload.values
-    if values is not None:
-      vals = values.decompress(vals, values_like(like), key)
-    out = []
-    for x, lay, v, w in zip(leaves, lays, jax.tree.leaves(vals), payload.positions):
-      kept = _kept(lay, k)
-      pos = unpack_bits(w, code_bits(lay.size), lay.chunks * kept).reshape(lay.chunks, kept)
-      rows = jnp.zeros((lay.chunks, lay.size), jnp.float32)
-      rows = rows.at[jnp.arange(lay.chunks)[:, None], pos.astype(jnp.int32)].add(
-          v.astype(jnp.float32))
-      out.append(rows)
-    return out
 
-  def back(rows, like):
-    leaves, treedef = jax.tree.flatten(like)
-    return jax.tree.unflatten(treedef, [
-        from_chunks(r, lay, dct).astype(jnp.result_type(x))
-        for r, x, lay in zip(rows, leaves, layouts(like))])
+def _values_like(opts: _Chunked, tree):
+  """The tree of kept values: one ``(chunks, k)`` array per leaf, paths kept."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct((lay.chunks, _kept(lay, opts.k)), jnp.result_type(x))
+      for x, lay in zip(leaves, _layouts(opts, tree))])
 
-  def decompress(payload, like, key):
-    return back(rows_of(payload, like, key), like)
 
-  def aggregate(gathered, like, key):
-    n = jax.tree.leaves(gathered)[0].shape[0]
-    per_site = jax.vmap(lambda p: rows_of(p, like, key))(gathered)
-    # the inverse DCT is linear: average the coefficients, transform once
-    return back([jnp.sum(r, axis=0) / n for r in per_site], like)
+def _init(opts: _Chunked, params):
+  check_float_leaves(params, opts.name)
+  if opts.values is not None and jax.tree.leaves(opts.values.init(_values_like(opts, params))):
+    raise ValueError(f"{opts.name}: values must be a stateless compressor (no error feedback, no "
+                     "warm start): the kept values are new every exchange")
+  return EmptyState()
 
-  return Compressor(init, compress, decompress, tree_nbits, "gather", aggregate, name=name)
+
+def _select(opts: _Chunked, rows: jax.Array, layout: ChunkLayout):
+  """The catalog's top-k on every chunk: ``(values, positions)``, each ``(chunks, k)``."""
+  kept = _kept(layout, opts.k)
+  top = topk(kept / layout.size)
+  one = lambda r: top.compress(r, EmptyState(), jax.random.key(0))[0][0]
+  sparse = jax.vmap(one)(rows)
+  return sparse.values, sparse.indices
+
+
+def _compress(opts: _Chunked, grads, state, key):
+  check_float_leaves(grads, opts.name)
+  leaves, treedef = jax.tree.flatten(grads)
+  kept, words = [], []
+  for x, lay in zip(leaves, _layouts(opts, grads)):
+    vals, pos = _select(opts, to_chunks(x, lay, opts.dct), lay)
+    kept.append(vals.astype(x.dtype))
+    words.append(pack_bits(pos.reshape(-1).astype(jnp.uint32), code_bits(lay.size)))
+  vals = jax.tree.unflatten(treedef, kept)
+  if opts.values is not None:
+    vals, _ = opts.values.compress(vals, EmptyState(), key)
+  return ChunkedPayload(vals, tuple(words)), state
+
+
+def _rows_of(opts: _Chunked, payload, like, key) -> list:
+  """Every leaf's dense ``(chunks, size)`` rows of coefficients (fp32), from one payload."""
+  vals = payload.values
+  if opts.values is not None:
+    vals = opts.values.decompress(vals, _values_like(opts, like), key)
+  out = []
+  for lay, v, w in zip(_layouts(opts, like), jax.tree.leaves(vals), payload.positions):
+    kept = _kept(lay, opts.k)
+    pos = unpack_bits(w, code_bits(lay.size), lay.chunks * kept).reshape(lay.chunks, kept)
+    rows = jnp.zeros((lay.chunks, lay.size), jnp.float32)
+    rows = rows.at[jnp.arange(lay.chunks)[:, None], pos.astype(jnp.int32)].add(
+        v.astype(jnp.float32))
+    out.append(rows)
+  return out
+
+
+def _back(opts: _Chunked, rows: list, like):
+  leaves, treedef = jax.tree.flatten(like)
+  return jax.tree.unflatten(treedef, [
+      from_chunks(r, lay, opts.dct).astype(jnp.result_type(x))
+      for r, x, lay in zip(rows, leaves, _layouts(opts, like))])
+
+
+def _decompress(opts: _Chunked, payload, like, key):
+  return _back(opts, _rows_of(opts, payload, like, key), like)
+
+
+def _aggregate(opts: _Chunked, gathered, like, key):
+  n = jax.tree.leaves(gathered)[0].shape[0]
+  per_site = jax.vmap(lambda p: _rows_of(opts, p, like, key))(gathered)
+  # the inverse DCT is linear: average the coefficients, transform once
+  return _back(opts, [jnp.sum(r, axis=0) / n for r in per_site], like)
 
 
 def chunked_bits(shapes: list[tuple[int, ...]], k: int, chunk: int, value_bits: int = 32,
