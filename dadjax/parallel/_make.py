@@ -60,13 +60,33 @@ def _check_names(name: str, names, reserved, allowed=None) -> tuple[str, ...]:
   return names
 
 
-def _nnx_model(model):
-  """An ``nnx.Module`` wrapped by :class:`dadjax.nnx.Model`; any other model as it is."""
+def _collection_names(mutable, average, collections) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """``mutable`` and ``average`` checked: no ``"params"``, ``"comm"`` or differentiated collection."""
+  registered = resolve_rules((), (), collections)
+  reserved = ("params", COMM_COLLECTION, *(k for k, r in registered.items() if r.differentiate))
+  mutable = _check_names("mutable", mutable, reserved)
+  return mutable, _check_names("average", average, reserved, mutable)
+
+
+def _step_loss(model, loss_fn: LossFn | None, compute_dtype) -> LossFn:
+  """The loss the step differentiates: the given one or the model's, computed in ``compute_dtype``."""
+  loss_fn = classification_loss(model) if loss_fn is None else loss_fn
+  if compute_dtype is None:
+    return loss_fn
+  if not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+    raise ValueError(f"compute_dtype must be a floating dtype (e.g. jnp.bfloat16), got "
+                     f"{compute_dtype!r}")
+  return compute_in(loss_fn, compute_dtype)
+
+
+def _nnx_model(model, collections: Sequence[str]):
+  """An ``nnx.Module`` wrapped by :class:`dadjax.nnx.Model` (which knows no family: its
+  collections are the registered rules' and ``collections``); any other model as it is."""
   nnx = sys.modules.get("flax.nnx")  # an NNX module exists only once flax.nnx is imported
   if nnx is None or not isinstance(model, nnx.Module):
     return model
   from dadjax.nnx import Model  # pylint: disable=g-import-not-at-top
-  return Model(model)
+  return Model(model, collections)
 
 
 def _eval_fn(loss_fn, metrics_fn):
@@ -105,7 +125,7 @@ def make_train_step(
 ) -> TrainStep:
   """Build the jitted SPMD training step.
 
-  Long because of its docstring (every argument and layout); the code only validates and assembles.
+  Long because of its docstring (every argument); the checks are module-level functions.
 
   Args:
     model: a Flax linen module (``init`` and the default loss use it), or
@@ -187,11 +207,9 @@ def make_train_step(
       ``"params"``, ``"comm"`` or a differentiated collection (``average``
       must be a subset of ``mutable``).
   """
-  model = _nnx_model(model)  # an nnx.Module: through dadjax.nnx.Model (nnx.split / merge)
-  registered = resolve_rules((), (), collections)
-  reserved = ("params", COMM_COLLECTION, *(k for k, r in registered.items() if r.differentiate))
-  mutable = _check_names("mutable", mutable, reserved)
-  average = _check_names("average", average, reserved, mutable)
+  mutable, average = _collection_names(mutable, average, collections)
+  # an nnx.Module: through dadjax.nnx.Model (nnx.split / merge), with the step's collections
+  model = _nnx_model(model, (*mutable, *(collections or {})))
   if batch_stage is not None and not isinstance(batch_stage, BatchStage):
     raise ValueError(f"batch_stage must be a dadjax.stage.BatchStage or None, got {batch_stage!r}")
   placement = placement_of(backend, num_sites, mesh, shard_params, axis_name,
@@ -201,12 +219,7 @@ def make_train_step(
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}")
   rules = resolve_rules(mutable, average, collections)
-  loss_fn = classification_loss(model) if loss_fn is None else loss_fn
-  if compute_dtype is not None:
-    if not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-      raise ValueError(f"compute_dtype must be a floating dtype (e.g. jnp.bfloat16), got "
-                       f"{compute_dtype!r}")
-    loss_fn = compute_in(loss_fn, compute_dtype)
+  loss_fn = _step_loss(model, loss_fn, compute_dtype)
   metrics_fn = default_metrics if metrics_fn is None else metrics_fn
   layers = {} if layer_axes is None else dict(layer_axes)
   with stacked_layers(layers):  # checks the map
