@@ -15,6 +15,7 @@ from dadjax.config import Config
 from dadjax.local._chunked import chunked_bits
 from dadjax.models import MLP
 from dadjax.train import train
+from helpers import run_steps
 
 SITES = 4
 METRIC_BITS = 2 * 32  # the step's pmean of loss and accuracy
@@ -30,12 +31,9 @@ def _batch(step, rows=16 * SITES):
 def _train(tx, steps, **kwargs):
   ts = dadjax.make_train_step(MLP(hidden=(16,), num_classes=5), tx, num_sites=SITES,
                               backend=kwargs.pop("backend", "vmap"), **kwargs)
-  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
-  losses = []
-  for i in range(steps):
-    state, metrics = ts(state, _batch(i + 1))
-    losses.append(float(np.mean(metrics["loss"])))
-  return ts, state, losses
+  # the teacher's task (not helpers.batch's random labels): the loss must fall
+  state, history = run_steps(ts, lambda i: _batch(i + 1), steps, init_x=_batch(0)["x"][:2])
+  return ts, state, [float(np.mean(m["loss"])) for m in history]
 
 
 def _shapes(state):
@@ -218,7 +216,7 @@ def test_specs_state_their_defaults_and_refuse_bad_values():
 
 
 def test_muon_by_name_is_optax_contribs():
-  from dadjax import _optim  # pylint: disable=g-import-not-at-top
+  from dadjax.run import _optim  # pylint: disable=g-import-not-at-top  (moved with the run layer)
   call = _optim.parse_optimizer("muon(beta=0.9)")
   assert call.fn is optax.contrib.muon and call.kwargs == {"beta": 0.9}
   assert "muon" in _optim.CONTRIB  # `dadjax train optimizer=muon` trains: the CLI test below

@@ -10,6 +10,7 @@ import pytest
 import dadjax
 from dadjax import adaptive, registry
 from dadjax import compress as C
+from helpers import batch
 
 SITES = 4
 AXIS = "data"
@@ -124,12 +125,6 @@ class TwoHeads(nn.Module):
     return self.dense(self.num_classes, name="head")(h)
 
 
-def _batch(seed):
-  rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(SITES * 4, 6)).astype(np.float32),
-          "y": rng.integers(0, 3, size=(SITES * 4,)).astype(np.int32)}
-
-
 @pytest.mark.parametrize("spec", METHODS)
 def test_a_parameter_without_gradient_stays_fixed(spec):
   method = dadjax.build_method(spec, steps_per_epoch=2)
@@ -140,7 +135,7 @@ def test_a_parameter_without_gradient_stays_fixed(spec):
   before = jax.tree.map(np.asarray, state.params["unused"])
   moved = jax.tree.map(np.asarray, state.params["hidden"])
   for i in range(3):
-    state, _ = step(state, _batch(i))
+    state, _ = step(state, batch(SITES * 4, seed=i))
   after = jax.tree.map(np.asarray, state.params["unused"])
   for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
     np.testing.assert_array_equal(a, b, err_msg=spec)
@@ -246,7 +241,7 @@ def test_rank_dad_on_huge_and_tiny_gradients(spec, weight):
   state = step.init(jax.random.key(0), np.zeros((1, 6), np.float32))
   before = np.asarray(state.params["head"]["kernel"])
   for i in range(7):  # three windows (each ends in a check), one step into the fourth
-    state, _ = step(state, _batch(i))
+    state, _ = step(state, batch(SITES * 4, seed=i))
   assert _finite(state.params)
   assert state_digest(state)[1] == []  # nothing a save would call "training diverged"
   # the factors were not lost (G^T G of 1e30 overflows, of 1e-30 underflows)

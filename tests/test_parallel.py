@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import dadjax
+from helpers import batch, images, run_steps, sgd_allreduce
 
 
 class TinyMLP(nn.Module):
@@ -16,27 +17,15 @@ class TinyMLP(nn.Module):
     return nn.Dense(10)(nn.relu(nn.Dense(16)(x)))
 
 
-def _data(rows=32, seed=0):
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(rows, 8, 8, 1)).astype(np.float32)
-  y = rng.integers(0, 10, rows).astype(np.int32)
-  return x, y
-
-
 def _train(backend, num_sites, steps=3, rows=32):
-  x, y = _data(rows)
-  tx = optax.chain(dadjax.allreduce("data"), optax.sgd(0.1, momentum=0.9))
-  ts = dadjax.make_train_step(TinyMLP(), tx, num_sites=num_sites, backend=backend)
-  state = ts.init(jax.random.key(0), x[:2])
-  for i in range(steps):
-    xi, yi = _data(rows, seed=i)
-    state, metrics = ts(state, {"x": xi, "y": yi})
-  return ts, state, metrics
+  ts = dadjax.make_train_step(TinyMLP(), sgd_allreduce(), num_sites=num_sites, backend=backend)
+  state, metrics = run_steps(ts, lambda i: batch(rows, (8, 8, 1), 10, seed=i), steps)
+  return ts, state, metrics[-1]
 
 
 def _pooled_reference(steps=3, rows=32):
   """Plain optax on the pooled batch, one device, no dadjax in the loop."""
-  x, _ = _data(rows)
+  x, _ = images(rows)
   model = TinyMLP()
   params = model.init(jax.random.key(0), x[:2])["params"]
   opt = optax.sgd(0.1, momentum=0.9)
@@ -46,7 +35,7 @@ def _pooled_reference(steps=3, rows=32):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, xb), yb).mean()
 
   for i in range(steps):
-    xi, yi = _data(rows, seed=i)
+    xi, yi = images(rows, seed=i)
     grads = jax.grad(loss)(params, xi, yi)
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -89,7 +78,7 @@ def test_bad_batch_split_is_a_clear_error(backend):
   tx = dadjax.allreduce("data")
   ts = dadjax.make_train_step(TinyMLP(), tx, num_sites=4, backend=backend)
   state = ts.init(jax.random.key(0), np.zeros((2, 8, 8, 1), np.float32))
-  x, y = _data(30)
+  x, y = images(30)
   with pytest.raises(ValueError, match="does not divide over num_sites=4"):
     ts(state, {"x": x, "y": y})
 

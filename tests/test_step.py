@@ -19,22 +19,13 @@ from dadjax.parallel import (
     unstack_site,
 )
 from dadjax.extend import BatchStage, GradResult, StageOutput
+from helpers import images, sgd_allreduce
 
 SITES = 4
 
 
-def _images(rows, seed=0, classes=10):
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(rows, 8, 8, 1)).astype(np.float32)
-  return x, rng.integers(0, classes, rows).astype(np.int32)
-
-
 def _host(tree):
   return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def _sgd_allreduce(lr=0.1):
-  return optax.chain(dadjax.allreduce("data"), optax.sgd(lr, momentum=0.9))
 
 
 # -- BatchNorm -----------------------------------------------------------------
@@ -45,11 +36,11 @@ def _resnet(width=4):
 
 
 def _bn_train(backend, average=("batch_stats",), steps=12):
-  x, _ = _images(SITES * 8)
+  x, _ = images(SITES * 8)
   # Learnable labels: the argmax of fixed random projections of the image.
   w = np.random.default_rng(1).normal(size=(64, 10))
   y = np.argmax(x.reshape(len(x), -1) @ w, -1).astype(np.int32)
-  step = dadjax.make_train_step(_resnet(8), _sgd_allreduce(0.2), num_sites=SITES,
+  step = dadjax.make_train_step(_resnet(8), sgd_allreduce(0.2), num_sites=SITES,
                                 backend=backend, average=average)
   state = step.init(jax.random.key(0), x[:8])
   init_stats = _host(state.model_state["batch_stats"])
@@ -109,7 +100,7 @@ def _dropout_step(tx, backend="vmap", **kwargs):
 def test_dropout_masks_differ_per_site_and_eval_is_deterministic():
   # Same rows on every site and no communication: sites can only drift apart
   # through their dropout masks.
-  x, y = _images(8)
+  x, y = images(8)
   batch = {"x": np.tile(x, (SITES, 1, 1, 1)), "y": np.tile(y, SITES)}
   step = _dropout_step(optax.sgd(0.1), allow_local=True)  # apart on purpose
   state = step.init(jax.random.key(0), x)
@@ -127,8 +118,8 @@ def test_dropout_masks_differ_per_site_and_eval_is_deterministic():
 
 
 def test_dropout_trains_and_resumes_exactly():
-  x, y = _images(SITES * 8)
-  step = _dropout_step(_sgd_allreduce())
+  x, y = images(SITES * 8)
+  step = _dropout_step(sgd_allreduce())
   state0 = step.init(jax.random.key(1), x[:8])
   state = state0
   losses = []
@@ -168,13 +159,13 @@ def test_site_keys_are_domain_separated():
 
 @pytest.mark.parametrize("make", ["dropout", "batchnorm"])
 def test_backends_agree_with_rngs_and_batch_stats(make):
-  x, y = _images(SITES * 4)
+  x, y = images(SITES * 4)
   results = {}
   for backend in dadjax.parallel.BACKENDS:
     if make == "dropout":
-      step = _dropout_step(_sgd_allreduce(), backend)
+      step = _dropout_step(sgd_allreduce(), backend)
     else:
-      step = dadjax.make_train_step(_resnet(), _sgd_allreduce(0.05), num_sites=SITES,
+      step = dadjax.make_train_step(_resnet(), sgd_allreduce(0.05), num_sites=SITES,
                                     backend=backend)
     state = step.init(jax.random.key(0), x[:4])
     for t in range(2):
@@ -193,7 +184,7 @@ def test_mse_regression_with_2d_targets_trains():
   w = rng.normal(size=(6, 3)).astype(np.float32)
   y = (x @ w).astype(np.float32)  # (rows, 3) targets
   model = models.MLP(hidden=(32,), num_classes=3)
-  step = dadjax.make_train_step(model, _sgd_allreduce(0.02), loss_fn=regression_loss(model),
+  step = dadjax.make_train_step(model, sgd_allreduce(0.02), loss_fn=regression_loss(model),
                                 num_sites=SITES, backend="vmap")
   state = step.init(jax.random.key(0), x[:16])
   first = step.evaluate(state, {"x": x, "y": y})
@@ -208,7 +199,7 @@ def test_mse_regression_with_2d_targets_trains():
 
 
 def test_custom_loss_on_a_tuple_batch_with_custom_metrics():
-  x, y = _images(SITES * 4)
+  x, y = images(SITES * 4)
   model = models.MLP(hidden=(16,))
 
   def loss_fn(params, variables, batch, rng, train):
@@ -220,14 +211,14 @@ def test_custom_loss_on_a_tuple_batch_with_custom_metrics():
   def metrics_fn(aux, batch):
     return {"top_logit": jnp.max(aux), "rows": jnp.float32(batch[1].shape[0])}
 
-  step = dadjax.make_train_step(model, _sgd_allreduce(), loss_fn=loss_fn, metrics_fn=metrics_fn,
+  step = dadjax.make_train_step(model, sgd_allreduce(), loss_fn=loss_fn, metrics_fn=metrics_fn,
                                 num_sites=SITES, backend="shard_map")
   state = step.init(jax.random.key(0), x[:4])
   state, metrics = step(state, (x, y))
   assert set(metrics) == {"loss", "top_logit", "rows"}
   np.testing.assert_array_equal(np.asarray(metrics["rows"]), 4.0)
   # Same parameters as the default classification loss on the dict batch.
-  ref = dadjax.make_train_step(model, _sgd_allreduce(), num_sites=SITES, backend="shard_map")
+  ref = dadjax.make_train_step(model, sgd_allreduce(), num_sites=SITES, backend="shard_map")
   ref_state, _ = ref(ref.init(jax.random.key(0), x[:4]), {"x": x, "y": y})
   chex.assert_trees_all_close(step.params(state), ref.params(ref_state), atol=1e-6)
 
@@ -283,7 +274,7 @@ def _gather_stage():
 
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])
 def test_batch_stage_gathered_gradient_equals_allreduce(backend):
-  x, y = _images(SITES * 4)
+  x, y = images(SITES * 4)
   model = models.MLP(hidden=(16,))
   ref = dadjax.make_train_step(model, optax.chain(dadjax.allreduce("data"), optax.sgd(0.5)),
                                num_sites=SITES, backend=backend)
@@ -372,7 +363,7 @@ def test_keep_unused_state_per_stacked_layer():
 
 
 def test_default_losses_honour_row_weights():
-  x, y = _images(6)
+  x, y = images(6)
   model = models.MLP(hidden=(8,))
   params = model.init(jax.random.key(0), x)["params"]
   w = np.array([0.0, 1.0, 2.0, 0.5, 0.0, 3.0], np.float32)

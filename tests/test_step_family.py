@@ -26,6 +26,7 @@ from dadjax.parallel import CollectionRule, register_rule
 from dadjax.registry import Method, register_method
 from dadjax.extend import BatchStage, StageOutput
 from dadjax.train import train
+from helpers import data
 
 SITES = 4
 ROWS = 4  # per site
@@ -100,17 +101,11 @@ def tally_method():
   registry.unregister("method", name)
 
 
-def _data(rows, seed=0, features=6, classes=3):
-  rng = np.random.default_rng(seed)
-  return (rng.normal(size=(rows, features)).astype(np.float32),
-          rng.integers(0, classes, rows).astype(np.int32))
-
-
 def test_external_family_trains_through_make_train_step():
   model = dadjax.models.MLP(hidden=(8,), num_classes=3, dense=TallyDense)
   tx = optax.chain(mean_sync("data"), optax.sgd(0.1))
   step = dadjax.make_train_step(model, tx, backend="vmap", num_sites=SITES)
-  x, y = _data(SITES * ROWS)
+  x, y = data(SITES * ROWS)
   state = step.init(jax.random.key(0), x[:ROWS])
   for _ in range(3):
     state, _ = step(state, {"x": x, "y": y})
@@ -131,7 +126,7 @@ def test_collections_argument_overrides_a_registered_rule():
   tx = optax.chain(mean_sync("data"), optax.sgd(0.1))
   step = dadjax.make_train_step(model, tx, backend="vmap", num_sites=2,
                                 collections={"tally": CollectionRule()})  # replace, no sum
-  x, y = _data(2 * ROWS)
+  x, y = data(2 * ROWS)
   state = step.init(jax.random.key(0), x[:ROWS])
   for _ in range(2):
     state, _ = step(state, {"x": x, "y": y})
@@ -231,7 +226,7 @@ def test_train_step_params_and_evaluate_use_evaluation_params():
   step = dadjax.make_train_step(model, optax.chain(dadjax.allreduce(), anchor_tx(),
                                                    optax.sgd(0.1)),
                                 backend="vmap", num_sites=2)
-  x, y = _data(4)
+  x, y = data(4)
   state = step.init(jax.random.key(0), x[:2])
   assert all(np.all(p == 0) for p in jax.tree.leaves(step.params(state)))
   logits_zero = step.evaluate(state, {"x": x, "y": y})["loss"]
@@ -256,7 +251,7 @@ def test_site_invariant_collection_update_is_kept(layout):
           else dadjax.make_mesh(sites=2, per_site=2))
   step = dadjax.make_train_step(_Counter(), optax.chain(dadjax.allreduce(), optax.sgd(0.1)),
                                 mesh=mesh, mutable=("counter",), average=())
-  x, y = _data(8)
+  x, y = data(8)
   state = step.init(jax.random.key(0), x[:2])
   state, _ = step(state, {"x": x, "y": y})
   np.testing.assert_array_equal(host_array(state.model_state["counter"]["value"]), [7.0, 7.0])
@@ -281,7 +276,7 @@ def test_batch_stage_dense_reference_is_fp32_with_bf16_gradients():
 
   step = dadjax.make_train_step(model, optax.sgd(0.1), loss_fn=loss_fn, backend="vmap",
                                 num_sites=2, batch_stage=_allreduce_stage())
-  x, y = _data(4)
+  x, y = data(4)
   state = step.init(jax.random.key(0), x[:2])
   state, _ = step(state, {"x": x, "y": y})
   n = sum(int(np.prod(p.shape[1:])) for p in jax.tree.leaves(state.params))
