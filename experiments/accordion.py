@@ -230,17 +230,12 @@ def main(argv=None) -> int:
                       help="a workload's training rows (windows of a text), for epochs short "
                       "enough that the detector checks several times (default 3200: 25 "
                       "steps per epoch at 8 sites x 16 rows)")
-  parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--partitions", default="iid,dirichlet")
   parser.add_argument("--families", default="powersgd,topk")
   parser.add_argument("--lr", type=float, default=0.1)
-  parser.add_argument("--out", default=str(harness.RESULTS))
-  parser.add_argument("--workload", default=None,
-                      help="comma-separated real workloads (fashion_cnn, text_lstm, ...) instead "
-                      "of --models; partitions iid / non_iid")
-  parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
-  parser.add_argument("--name", default="accordion", help="output file stem")
+  harness.common_args(parser, "accordion", "comma-separated real workloads (fashion_cnn, "
+                      "text_lstm, ...) instead of --models; partitions iid / non_iid")
   args = parser.parse_args(argv)
   if args.steps is None:
     args.steps = 300 if args.workload else 220

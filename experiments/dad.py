@@ -524,14 +524,10 @@ def main(argv=None) -> int:
                       help="task config JSON (repeatable); default: the three dad_*.json")
   parser.add_argument("--steps", type=int, default=None, help="override steps")
   parser.add_argument("--methods", default=None, help="comma-separated methods override")
-  parser.add_argument("--out", default=str(harness.RESULTS), help="output directory")
-  parser.add_argument("--workload", default=None,
-                      help=f"comma-separated real workloads ({', '.join(workloads.WORKLOADS)}) "
-                      "instead of the configs; several seeds and partitions, mean +- std")
-  parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
-  parser.add_argument("--seeds", default="0,1,2", help="workload seeds")
+  harness.common_args(parser, "dad", f"comma-separated real workloads "
+                      f"({', '.join(workloads.WORKLOADS)}) instead of the configs; several seeds "
+                      "and partitions, mean ± std")
   parser.add_argument("--partitions", default="iid,non_iid", help="workload partitions")
-  parser.add_argument("--name", default="dad", help="output file stem (<out>/<name>.md)")
   args = parser.parse_args(argv)
   configs = args.config or [str(ROOT / c) for c in DEFAULT_CONFIGS]
   methods = args.methods.split(",") if args.methods else None

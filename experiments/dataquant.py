@@ -192,7 +192,6 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--methods", default=",".join(METHODS))
-  parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--steps", type=int, default=None,
                       help="default 120 (a workload: its own, 300)")
   parser.add_argument("--eval-every", type=int, default=None,
@@ -200,13 +199,9 @@ def main(argv=None) -> int:
   parser.add_argument("--target", type=float, default=None,
                       help="test accuracy to reach (default 0.92; a workload: its own)")
   parser.add_argument("--widths", default="64,256,1024")
-  parser.add_argument("--out", default=str(harness.RESULTS))
-  parser.add_argument("--workload", default=None,
-                      help="comma-separated real workloads (fashion_mlp, fashion_cnn) instead "
-                      "of --models")
-  parser.add_argument("--quick", action="store_true", help="workloads at their quick sizes")
+  harness.common_args(parser, "dataquant", "comma-separated real workloads (fashion_mlp, "
+                      "fashion_cnn) instead of --models")
   parser.add_argument("--partition", default="iid", help="workload partition: iid or non_iid")
-  parser.add_argument("--name", default="dataquant", help="output file stem")
   parser.add_argument("--bandwidth", type=float, default=BANDWIDTH,
                       help="modeled link bandwidth, bit/s (default 1e9)")
   parser.add_argument("--latency", type=float, default=LATENCY,

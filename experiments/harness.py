@@ -53,6 +53,18 @@ def uptime() -> str:
     return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+def common_args(parser, name: str, workload: str, *, quick: str = "workloads at their quick "
+                "sizes", seeds: str | None = "0,1,2") -> None:
+  """The arguments every grid script takes: ``--out``, ``--name`` (the results' stem),
+  ``--workload`` (help: ``workload``), ``--quick`` (help: ``quick``) and ``--seeds``."""
+  parser.add_argument("--out", default=str(RESULTS), help="output directory")
+  parser.add_argument("--name", default=name, help="output file stem (<out>/<name>.md)")
+  parser.add_argument("--workload", default=None, help=workload)
+  parser.add_argument("--quick", action="store_true", help=quick)
+  if seeds is not None:
+    parser.add_argument("--seeds", default=seeds, help="comma-separated seeds")
+
+
 def seeds(text: str) -> list[int]:
   """``"0,1,2"`` -> ``[0, 1, 2]``."""
   return [int(s) for s in str(text).split(",") if s.strip()]

@@ -210,14 +210,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="digits",
                       help="a built-in data set (digits; fashion_mnist where its files exist)")
-  parser.add_argument("--workload", default=None,
-                      help=f"a real workload ({', '.join(workloads.WORKLOADS)}) instead of "
-                      "--dataset: its model, data, sites, optimizer, steps and target")
   parser.add_argument("--partition", default="iid", help="workload partition: iid or non_iid")
   parser.add_argument("--steps", type=int, default=None, help="default 600 (a workload's own)")
   parser.add_argument("--eval-every", type=int, default=None,
                       help="default 50 (a workload's own)")
-  parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--every", default=None, help="DiLoCo's H values (default 10,50,200; "
                       "with a workload 10,50)")
   parser.add_argument("--target", type=float, default=None,
@@ -227,9 +223,9 @@ def main(argv=None) -> int:
   parser.add_argument("--methods", default=None,
                       help="';'-separated method specs to run instead of the default list, "
                       "each SPEC[|FIELD=VALUE...] with Config overrides (demo:lr=0.001|momentum=0)")
-  parser.add_argument("--quick", action="store_true", help="a smoke run (seconds per method)")
-  parser.add_argument("--out", default=str(harness.RESULTS))
-  parser.add_argument("--name", default="local", help="stem of the written .md and .png")
+  harness.common_args(parser, "local", f"a real workload ({', '.join(workloads.WORKLOADS)}) "
+                      "instead of --dataset: its model, data, sites, optimizer, steps and target",
+                      quick="a smoke run (seconds per method)")
   args = parser.parse_args(argv)
   resolve_defaults(args, parser)
   seeds = harness.seeds(args.seeds)

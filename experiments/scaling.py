@@ -56,6 +56,7 @@ from dadjax.run._demo import DEFAULT_METHODS  # noqa: E402
 from dadjax.train import build, train  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 METHODS = ("allreduce", "bf16", "topk:0.01", "qsgd:16", "sign", "powersgd:2", "dad", "rank_dad:2")
@@ -198,14 +199,11 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--methods", default=",".join(METHODS))
-  parser.add_argument("--out", default="experiments/results")
   parser.add_argument("--latency", type=float, default=50e-6)
   parser.add_argument("--hidden", default="64,64", help="MLP hidden widths, comma-separated")
-  parser.add_argument("--name", default="scaling", help="output file stem")
-  parser.add_argument("--workload", default=None,
-                      help=f"a real workload ({', '.join(workloads.WORKLOADS)}) instead of the "
-                      "digits MLP (--hidden is then ignored)")
-  parser.add_argument("--quick", action="store_true", help="the workload at its quick sizes")
+  harness.common_args(parser, "scaling", f"a real workload ({', '.join(workloads.WORKLOADS)}) "
+                      "instead of the digits MLP (--hidden is then ignored)",
+                      quick="the workload at its quick sizes", seeds=None)
   args = parser.parse_args(argv)
   methods = args.methods.split(",")
   if "allreduce" not in methods:
@@ -225,7 +223,7 @@ def main(argv=None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   plot(measured, args.latency, out / f"{args.name}.png")
-  command = "python experiments/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  command = harness.command_line("scaling.py", argv if argv is not None else sys.argv[1:])
   (out / f"{args.name}.md").write_text(
       "# Where compression stops paying\n\n"
       f"Command: `{command}` ({what}, {base.batch_per_site} rows per site, "

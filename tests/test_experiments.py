@@ -105,23 +105,24 @@ def test_dad_workload_quick(tmp_path):
   assert "wire bits/step/site (ring, N=8)" in text and "Measured:" in text
 
 
+def _accordion_quick(tmp_path, *flags):
+  """experiments/accordion.py on the quick Fashion-MNIST CNN, seed 0, IID; its results page."""
+  _run(["experiments/accordion.py", "--workload", "fashion_cnn", "--quick", "--seeds", "0",
+        "--partitions", "iid", *flags, "--out", str(tmp_path)], tmp_path)
+  return (tmp_path / "accordion.md").read_text()
+
+
 @pytest.mark.slow
 @_needs("fashion_cnn")
 def test_accordion_workload_quick(tmp_path):
-  _run(["experiments/accordion.py", "--workload", "fashion_cnn", "--quick", "--steps", "6",
-        "--seeds", "0", "--partitions", "iid", "--families", "powersgd21", "--out",
-        str(tmp_path)], tmp_path)
-  text = (tmp_path / "accordion.md").read_text()
+  text = _accordion_quick(tmp_path, "--steps", "6", "--families", "powersgd21")
   assert "`accordion(powersgd:2,powersgd:1)`" in text and "| fashion_cnn | iid |" in text
 
 
 @pytest.mark.slow
 @_needs("fashion_cnn")
 def test_accordion_batch_family_charges_only_the_cycles_that_communicate(tmp_path):
-  _run(["experiments/accordion.py", "--workload", "fashion_cnn", "--quick", "--steps", "16",
-        "--examples", "256", "--seeds", "0", "--partitions", "iid", "--families", "batch",
-        "--out", str(tmp_path)], tmp_path)
-  text = (tmp_path / "accordion.md").read_text()
+  text = _accordion_quick(tmp_path, "--steps", "16", "--examples", "256", "--families", "batch")
   rows = {m.group(1): float(m.group(2)) for m in re.finditer(
       r"\| batch \| (static low|static high|accordion) \| `[^`]+` \| [^|]+ \| ([\d.]+) \|", text)}
   assert set(rows) == {"static low", "static high", "accordion"}, text
