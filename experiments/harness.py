@@ -9,10 +9,9 @@ a target come from :func:`dadjax.run.to_target` on those rows (the first
 evaluation at the target, its *cumulative* bits and seconds):
 :func:`to_target_cells` gives them as table cells over seeds.
 
-Imported by the scripts as ``import harness`` (``experiments/`` is put on
-``sys.path`` by :func:`host_devices`'s caller, the script itself); the only
-imports at the top are the standard library and numpy, so a script can call
-:func:`host_devices` before JAX starts its backend.
+A script puts its own directory on ``sys.path`` and imports ``harness``; the
+harness imports only the standard library and numpy at the top, so the
+script can call :func:`host_devices` before anything starts JAX's backend.
 """
 
 from __future__ import annotations
