@@ -41,11 +41,6 @@ SECTIONS = [
 ]
 
 
-def public_names(module_name: str) -> list[str]:
-  """The names of ``module_name.__all__``, in order."""
-  return list(importlib.import_module(module_name).__all__)
-
-
 def _key(name: str, value) -> tuple:
   """What identifies an exported thing: the object; for plain values (interned ints and
   strings are shared by unrelated constants) the object and its name."""
