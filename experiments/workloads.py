@@ -7,6 +7,9 @@
   sources, decoder-only transformer (2 layers, d_model 128, 64-byte context).
 * ``text_lstm``: the same text, a one-layer LSTM LM (hidden 256; Accordion's
   WikiText-2 setting at byte level).
+* ``text_gpt_tiny`` / ``text_gpt_cpu``: the same text, the GPT decoder of
+  :mod:`dadjax.models` (``gpt_tiny``: 2 x 64; ``gpt_cpu``: 8 x 256, 6.4M
+  parameters, about 15 minutes for 300 steps of 8 sites on 2 cores).
 
 The defaults are sized for 2 CPU cores; ``--quick`` shrinks data, widths and
 steps so that a script's whole grid finishes in minutes (the slow-marked
@@ -134,6 +137,22 @@ WORKLOADS = {
          "batch_per_site": 4, "steps": 4, "eval_every": 2},
         "accuracy", 0.85, 0.2, {"partition": "dirichlet", "alpha": 0.5},
         "Fashion-MNIST padded to 32x32, ResNet-18 width 64"),
+    # The GPT decoder of dadjax.models (scanned pre-norm blocks, rotary positions, tied byte
+    # embeddings); gpt_cpu is the largest that runs 300 steps of 8 sites in ~15 min on 2 cores.
+    "text_gpt_tiny": Workload(
+        "text_gpt_tiny",
+        {**_TEXT, "dataset_kwargs": {"seq_len": 64, "max_eval_windows": 1024},
+         "model": "gpt_tiny", "model_kwargs": {}, "steps": 300, "eval_every": 50},
+        {**_TEXT_QUICK, "model_kwargs": {}},
+        "bits_per_byte", 3.5, 6.0, {"partition": "by_class"},
+        "Python 3.11 docs (bytes), GPT decoder gpt_tiny (2 x 64)"),
+    "text_gpt_cpu": Workload(
+        "text_gpt_cpu",
+        {**_TEXT, "dataset_kwargs": {"seq_len": 64, "max_eval_windows": 1024},
+         "model": "gpt_cpu", "model_kwargs": {}, "steps": 300, "eval_every": 100},
+        {**_TEXT_QUICK, "model": "gpt_tiny", "model_kwargs": {}},
+        "bits_per_byte", 3.0, 6.0, {"partition": "by_class"},
+        "Python 3.11 docs (bytes), GPT decoder gpt_cpu (8 x 256, 6.4M parameters)"),
     "text_lm_512": Workload(
         "text_lm_512",
         {**_TEXT, "dataset_kwargs": {"seq_len": 128, "max_eval_windows": 2048},
