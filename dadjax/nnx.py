@@ -211,3 +211,19 @@ def _boxed(state) -> dict:
     node[path[-1]] = nn.Partitioned(node[path[-1]], tuple(names))
   return pure
 
+
+
+# The NNX dAD names lived here before the layer joined its family (dadjax.dad). They still
+# resolve, with a DeprecationWarning, without this adapter importing any family.
+_MOVED = {"DotGeneral": "NnxDotGeneral", "inject": "inject", "inject_method": "inject_method",
+          "DadState": "DadState"}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    import importlib  # pylint: disable=g-import-not-at-top
+    import warnings  # pylint: disable=g-import-not-at-top
+    warnings.warn(f"dadjax.nnx.{name} moved to dadjax.dad.{_MOVED[name]}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module("dadjax.dad"), _MOVED[name])
+  raise AttributeError(f"module 'dadjax.nnx' has no attribute {name!r}")

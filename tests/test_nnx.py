@@ -279,5 +279,10 @@ def test_the_nnx_adapter_knows_no_family():
       imported.update(alias.name for alias in node.names)
   families = tuple(f"dadjax.{f}" for f in ("dad", "compress", "dataquant", "local", "adaptive"))
   assert not [m for m in imported if m.startswith(families)]
-  assert "dad_state" not in source and "DadState" not in source
+  assert "dad_state" not in source
   assert dnx.__all__ == ["Model"]
+  # the old NNX dAD names resolve to dadjax.dad's, with a warning
+  with pytest.warns(DeprecationWarning, match="moved to dadjax.dad.NnxDotGeneral"):
+    assert dnx.DotGeneral is dad.NnxDotGeneral
+  with pytest.warns(DeprecationWarning):
+    assert dnx.inject is dad.inject

@@ -105,4 +105,6 @@ __all__ = [
     "effective_ranks",
     "model_ledger",
     "ModelLedgerState",
+    # the mechanics dadjax.extend offers method authors
+    "Factors", "factorize", "current_state", "layer_bits", "layer_route", "product_route",
 ]
