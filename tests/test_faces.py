@@ -111,3 +111,14 @@ def test_the_checks_see_a_violation(tmp_path, monkeypatch):
   assert ("dadjax.alpha._x", "dadjax.beta._y", ("z",)) in found
   assert ("dadjax.alpha._x", "dadjax.beta", ("u",)) in found
   assert all(m != "dadjax.alpha._w" for _, m, _ in found)  # inside its own package: allowed
+
+
+def test_no_function_over_80_lines_without_a_reason():
+  long = []
+  for path in _sources():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        reason = "Long because" in (ast.get_docstring(node) or "")
+        if node.end_lineno - node.lineno + 1 > 80 and not reason:
+          long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+  assert long == [], "split these, or say in the docstring 'Long because ...':\n" + "\n".join(long)
