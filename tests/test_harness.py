@@ -81,3 +81,14 @@ def test_grid_runs_every_setting_method_and_seed_in_order():
 def test_command_line_quotes_what_the_shell_would_split():
   assert harness.command_line("local.py", ["--methods", "allreduce;diloco:4", "--quick"]) == (
       "python experiments/local.py --methods 'allreduce;diloco:4' --quick")
+
+
+def test_the_usual_fixtures_train_and_their_rows_read_out_to_a_target(tiny_step, tiny_batch):
+  from helpers import run_steps  # pylint: disable=g-import-not-at-top
+  from dadjax.comm import NetworkModel, report  # pylint: disable=g-import-not-at-top
+  state, history = run_steps(tiny_step, tiny_batch, 4)
+  assert len(history) == 4
+  row = {"step": 4, "test_loss": float(history[-1]["loss"].mean()),
+         **report(state, NetworkModel(num_sites=4)).row()}
+  got = to_target([row], "test_loss", row["test_loss"])
+  assert got.bits == row["total_wire_bits"] > 0 and got.step == 4

@@ -15,14 +15,13 @@ from dadjax.comm import HierarchicalNetwork, NetworkModel
 from dadjax.comm._hlo import collective_ops
 from dadjax.methods import build_method
 from dadjax.models import MLP
+from helpers import batch, run_steps
 
 ROWS = 32
 
 
 def _batch(step, rows=ROWS):
-  rng = np.random.default_rng(step)
-  return {"x": rng.normal(size=(rows, 12)).astype(np.float32),
-          "y": rng.integers(0, 5, rows).astype(np.int32)}
+  return batch(rows, 12, 5, seed=step)  # this file's task: 12 features, 5 classes
 
 
 def _kernel(names, logical=False):
@@ -60,10 +59,8 @@ def _step(spec, mesh, model=None, opt=None, **kwargs):
 
 def _train(spec, mesh, steps=3, **kwargs):
   ts = _step(spec, mesh, **kwargs)
-  state = ts.init(jax.random.key(0), _batch(0)["x"][:2])
-  for i in range(steps):
-    state, metrics = ts(state, _batch(i))
-  return ts, state, metrics
+  state, metrics = run_steps(ts, _batch, steps)
+  return ts, state, metrics[-1]
 
 
 def _device_bytes(tree):
