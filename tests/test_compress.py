@@ -14,6 +14,7 @@ import pytest
 import dadjax
 from dadjax import compress as C
 from dadjax import extend
+from helpers import run_steps
 
 AXIS = "sites"
 
@@ -499,12 +500,8 @@ def _batch():
 
 
 def _train(tx, backend, steps=3, sites=8):
-  batch = _batch()
   ts = dadjax.make_train_step(_MLP(), tx, num_sites=sites, backend=backend)
-  state = ts.init(jax.random.key(0), batch["x"][:4])
-  for _ in range(steps):
-    state, _ = ts(state, batch)
-  return ts, state
+  return ts, run_steps(ts, _batch(), steps, init_rows=4)[0]
 
 
 @pytest.mark.parametrize("spec", [
