@@ -46,21 +46,10 @@ def _local_step(config, dataset, steps_per_epoch):
 
   Built like :func:`dadjax.train.build` builds the run's step, with one site.
   """
-  from dadjax import make_mesh, make_train_step, models  # pylint: disable=g-import-not-at-top
-  from dadjax.methods import build_method  # pylint: disable=g-import-not-at-top
-  from dadjax.run import local_optimizer, make_schedule  # pylint: disable=g-import-not-at-top
+  from dadjax import make_mesh, make_train_step  # pylint: disable=g-import-not-at-top
+  from dadjax.run import local_optimizer, method_and_model  # pylint: disable=g-import-not-at-top
   one = config.replace(num_sites=1)
-  schedule = make_schedule(one)
-  method = build_method(one.method, axis_name="data", seed=one.seed,
-                        steps_per_epoch=steps_per_epoch, lr_schedule=schedule)
-  model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in one.model_kwargs.items()}
-  fields = models.model_fields(models.model_class(one.model)[0]) or ()
-  if "vocab_size" in fields and dataset.vocab_size and np.issubdtype(
-      dataset.x_train.dtype, np.integer):
-    model_kwargs.setdefault("vocab_size", dataset.vocab_size)
-  dense_kw = {"dense": method.dense} if method.dense is not None else {}
-  model = models.get_model(one.model, dataset.num_classes, **dense_kw, **model_kwargs,
-                           nnx_seed=one.seed)
+  schedule, method, model = method_and_model(one, dataset, steps_per_epoch)
   mesh = make_mesh(1, devices=jax.local_devices()[:1])
   return make_train_step(model, method.optimizer(local_optimizer(one, schedule)), mesh=mesh,
                          backend=one.backend, batch_stage=getattr(method, "batch_stage", None),

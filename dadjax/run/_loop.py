@@ -123,6 +123,25 @@ def evaluate(step_fn: TrainStep, state: TrainState, x: np.ndarray, y: np.ndarray
   return {k: v / max(1, len(x)) for k, v in totals.items()}
 
 
+def method_and_model(config: Config, dataset, steps_per_epoch: int | None):
+  """``(schedule, method, model)`` of a run: its lr schedule, its method (built for the
+  schedule and the epoch length) and its model (with the method's dense layer and, for a
+  token dataset, the data's vocabulary)."""
+  schedule = make_schedule(config)  # one schedule: the optimizer's and the method's
+  method = build_method(config.method, axis_name="data", seed=config.seed,
+                        steps_per_epoch=steps_per_epoch, lr_schedule=schedule)
+  # Flax modules must be hashable: JSON/TOML lists become tuples.
+  model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.model_kwargs.items()}
+  fields = models.model_fields(models.model_class(config.model)[0]) or ()
+  if "vocab_size" in fields and dataset.vocab_size and np.issubdtype(
+      dataset.x_train.dtype, np.integer):
+    model_kwargs.setdefault("vocab_size", dataset.vocab_size)
+  dense_kw = {"dense": method.dense} if method.dense is not None else {}
+  model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs,
+                           nnx_seed=config.seed)  # an NNX class: rngs=nnx.Rngs(seed, ...)
+  return schedule, method, model
+
+
 def build(config: Config):
   """Data, batcher, model and step for ``config`` (no training).
 
@@ -135,18 +154,7 @@ def build(config: Config):
     data_lib.check_dataset(dataset)
   else:
     dataset, parts, batcher = _memory_data(config)
-  schedule = make_schedule(config)  # one schedule: the optimizer's and the method's
-  method = build_method(config.method, axis_name="data", seed=config.seed,
-                        steps_per_epoch=batcher.steps_per_epoch, lr_schedule=schedule)
-  # Flax modules must be hashable: JSON/TOML lists become tuples.
-  model_kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.model_kwargs.items()}
-  fields = models.model_fields(models.model_class(config.model)[0]) or ()
-  if "vocab_size" in fields and dataset.vocab_size and np.issubdtype(
-      dataset.x_train.dtype, np.integer):
-    model_kwargs.setdefault("vocab_size", dataset.vocab_size)
-  dense_kw = {"dense": method.dense} if method.dense is not None else {}
-  model = models.get_model(config.model, dataset.num_classes, **dense_kw, **model_kwargs,
-                           nnx_seed=config.seed)  # an NNX class: rngs=nnx.Rngs(seed, ...)
+  schedule, method, model = method_and_model(config, dataset, batcher.steps_per_epoch)
   if config.per_site > 1:
     mesh = (make_mesh(sites=config.num_sites, inner=dict(config.mesh_inner))
             if config.mesh_inner else make_mesh(sites=config.num_sites, per_site=config.per_site))
