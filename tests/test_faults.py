@@ -536,6 +536,14 @@ def _cli_worker(hooks, args, *, prefix=(), **kw):
                           text=True, **kw)
 
 
+def _signal_at(proc, step, signum=signal.SIGTERM) -> None:
+  """Send ``signum`` to ``proc`` once it has logged the metrics row of ``step``."""
+  for line in proc.stdout:
+    if json.loads(line)["step"] == step:
+      proc.send_signal(signum)
+      return
+
+
 def _config_of(args) -> Config:
   return load_config(None, [a for a in RUN_ARGS + args if "=" in a])
 
@@ -551,10 +559,7 @@ def test_signal_between_checkpoints_saves_that_step_and_resumes_identically(tmp_
   at = np.random.default_rng(int(signum)).integers(3, 12)  # between the checkpoints 0 and 20
   proc = _cli_worker(["slow:0.05"], args)
   try:
-    for line in proc.stdout:
-      if json.loads(line)["step"] == at:
-        proc.send_signal(signum)
-        break
+    _signal_at(proc, at, signum)
     _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
@@ -599,10 +604,7 @@ def test_second_signal_stops_at_once(tmp_path):
   args = ["steps=40", "eval_every=1", "checkpoint_every=4", f"checkpoint_dir={ckpt}"]
   proc = _cli_worker(["slow:0.2"], args)
   try:
-    for line in proc.stdout:
-      if json.loads(line)["step"] == 6:
-        proc.send_signal(signal.SIGTERM)
-        break
+    _signal_at(proc, 6)
     for line in proc.stderr:  # the first one was handled: the run is finishing its step
       if "SIGTERM received" in line:
         proc.send_signal(signal.SIGTERM)
@@ -621,10 +623,7 @@ def test_grace_time_bounds_the_stop(tmp_path):
           f"checkpoint_dir={tmp_path / 'ckpt'}"]
   proc = _cli_worker(["slow:0.3"], args)
   try:
-    for line in proc.stdout:
-      if json.loads(line)["step"] == 5:
-        proc.send_signal(signal.SIGTERM)
-        break
+    _signal_at(proc, 5)
     _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
@@ -649,10 +648,7 @@ def test_signal_with_checkpoint_on_signal_false_acts_as_usual(tmp_path):
   proc = _cli_worker(["slow:0.05"], ["steps=40", "eval_every=1", "checkpoint_on_signal=false",
                                      f"checkpoint_dir={tmp_path / 'ckpt'}"])
   try:
-    for line in proc.stdout:
-      if json.loads(line)["step"] == 3:
-        proc.send_signal(signal.SIGTERM)
-        break
+    _signal_at(proc, 3)
     proc.communicate(timeout=120)
   finally:
     proc.kill()

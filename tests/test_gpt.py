@@ -114,10 +114,16 @@ def test_rotary_and_learned_positions():
     make_gpt("gpt_tiny", positions="alibi")
 
 
-def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
+def _tiny(**options):
+  """``(model, params, x, y)``: gpt_tiny with ``options``, its parameters, two 16-token rows and
+  their targets."""
   x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
-  ref = make_gpt("gpt_tiny", remat="none")
-  params = nn.unbox(jax.jit(ref.init)(jax.random.key(0), x)["params"])
+  model = make_gpt("gpt_tiny", **options)
+  return model, nn.unbox(jax.jit(model.init)(jax.random.key(0), x)["params"]), x, y
+
+
+def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
+  ref, params, x, y = _tiny(remat="none")
   want = jax.jit(jax.value_and_grad(functools.partial(_loss, ref)))(params, x, y)
   got = jax.jit(jax.value_and_grad(functools.partial(_loss, make_gpt("gpt_tiny"))))(params, x, y)
   chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)  # default: nothing_saveable
@@ -133,9 +139,7 @@ def test_remat_and_scan_do_not_change_the_loss_or_the_gradient():
 
 
 def test_bf16_compute_keeps_fp32_parameters_and_gradients():
-  x, y = _tokens((2, 16)), _tokens((2, 16), seed=1)
-  model = make_gpt("gpt_tiny", dtype="bfloat16")
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), x)["params"])
+  model, params, x, y = _tiny(dtype="bfloat16")
   assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
   loss, grads = jax.jit(jax.value_and_grad(functools.partial(_loss, model)))(params, x, y)
   assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
