@@ -931,7 +931,7 @@ def _wait_for_row(proc, step):
 
 
 def test_transport_errors_are_told_from_a_process_s_own_errors():
-  from dadjax import _peers  # pylint: disable=g-import-not-at-top
+  from dadjax.run import _peers  # pylint: disable=g-import-not-at-top
   gloo = jax.errors.JaxRuntimeError("INTERNAL: Gloo AllGather failed: [gloo/transport/tcp/"
                                     "pair.cc:547] Connection closed by peer [127.0.0.1]:4")
   reset = jax.errors.JaxRuntimeError("INTERNAL: ... pair.cc:538] Connection reset by peer")
