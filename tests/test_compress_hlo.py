@@ -287,12 +287,16 @@ def test_resnet18_collectives_are_bucketed(spec, kind, most):
   assert 1 <= ops.count[kind] <= most, ops
 
 
+_DEFAULT_BUCKETED = ("topk:0.1", "qsgd:16", "terngrad", "sign", "powersgd:2")  # the rest: -m slow
+
+
 @pytest.mark.parametrize("spec, mixed", [
-    *((s, True) for s in ("topk:0.1", "ef_topk:0.1", "qsgd:4:16", "qsgd:16", "terngrad",
-                          "ef_terngrad", "sign", "powersgd:2", "ef_scaled_sign", "randomk:0.25",
-                          "bf16")),
-    ("qsgd:16:noise=hash", True), ("terngrad:noise=hash", True),
-    ("qsgd:16", False), ("terngrad", False)])  # all fp32: the sites' mean in one op
+    pytest.param(s, m, marks=() if s in _DEFAULT_BUCKETED else pytest.mark.slow) for s, m in (
+        *((s, True) for s in ("topk:0.1", "ef_topk:0.1", "qsgd:4:16", "qsgd:16", "terngrad",
+                              "ef_terngrad", "sign", "powersgd:2", "ef_scaled_sign",
+                              "randomk:0.25", "bf16")),
+        ("qsgd:16:noise=hash", True), ("terngrad:noise=hash", True),
+        ("qsgd:16", False), ("terngrad", False))])  # all fp32: the sites' mean in one op
 def test_bucketed_parameters_equal_the_unbucketed_after_20_steps(spec, mixed, monkeypatch):
   # Bucketed collectives, the quantizers' one-buffer form (noise, rounding and packing of all
   # leaves at once) and same-shape leaves as one vmap, against one collective per leaf and the

@@ -232,6 +232,7 @@ def test_replicated_params_shard_map_check_vma():
 # -- backends, state, accumulation ----------------------------------------------
 
 
+@pytest.mark.slow  # suite time; exact dAD's backend agreement runs by default
 def test_backends_agree_rank_dad_with_state():
   x, y = _data((32, 12), classes=5)
   dense = functools.partial(dad.Dense, mode="rank", rank=2, warm_start=True, error_feedback=True)

@@ -216,6 +216,7 @@ def test_bucket_spec():
     dad.get_method("rank_dad:2:bucket")
 
 
+@pytest.mark.slow  # suite time; the one-level bucket tests run by default
 def test_bucket_on_a_two_level_mesh_with_fsdp_equals_per_layer_dad():
   # Sites of 4 devices each (rows split within a site, parameters FSDP-sharded):
   # the bucket gathers over the site axis only, the step averages within the site.

@@ -145,8 +145,8 @@ def test_rank_dad_vmap_equals_shard_map(power):
                               dadjax.parallel.unstack_site(b.params), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [dict(mode="exact"),
-                                     dict(mode="rank", rank=2, iters=2, aggregation="two_way")])
+@pytest.mark.parametrize("options", [dict(mode="exact"), pytest.param(
+    dict(mode="rank", rank=2, iters=2, aggregation="two_way"), marks=pytest.mark.slow)])
 def test_compiled_gather_bytes_equal_ledger(options):
   rows = 2
   model = UserBlock(functools.partial(dad.DotGeneral, **options))

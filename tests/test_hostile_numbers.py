@@ -73,6 +73,7 @@ def test_every_compressor_is_finite_on_huge_and_tiny_gradients(spec):
   assert _finite(state), spec
 
 
+@pytest.mark.slow  # suite time; test_compress's bucket tests cover buckets in the default run
 def test_qsgd_buckets_keep_huge_and_tiny_entries():
   grads = _hostile_tree()
   c = C.get_compressor("qsgd:16:64")
@@ -145,6 +146,7 @@ def test_a_parameter_without_gradient_stays_fixed(spec):
   assert any(changed), f"{spec}: the used layers did not train either"
 
 
+@pytest.mark.slow  # suite time; sign's majority vote is pinned in test_compress and test_two_phase
 def test_sign_on_one_site_and_abstaining_sites():
   c = C.get_compressor("sign")
   g = {"w": jnp.zeros((3, 5)), "v": jnp.asarray([-2.0, 0.0, 3.0])}
@@ -169,7 +171,8 @@ def _fp16_sites(value=30000.0, sites=8):
           "b": jnp.full((sites, 3), -value, jnp.float16)}
 
 
-@pytest.mark.parametrize("spec", ["allreduce", "bf16", "topk:0.5", "identity"])
+@pytest.mark.parametrize("spec", ["allreduce", "bf16", pytest.param("topk:0.5", marks=pytest.mark.slow),
+                                  "identity"])
 def test_fp16_gradients_are_averaged_without_overflow(spec):
   tx = (dadjax.allreduce(AXIS) if spec == "allreduce"
         else C.compressed(C.get_compressor(spec), axis_name=AXIS))

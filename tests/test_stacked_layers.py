@@ -153,8 +153,8 @@ def test_a_scanned_model_trains_like_its_twin_through_the_step():
                                                           b.total_bits)
 
 
-@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", "rank_dad:2",
-                                  "accordion(powersgd:2,powersgd:1,window=1,interval=1)"])
+@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", "rank_dad:2", pytest.param(
+    "accordion(powersgd:2,powersgd:1,window=1,interval=1)", marks=pytest.mark.slow)])
 def test_keyed_methods_book_the_twins_bits(spec):
   """Keyed draws (PowerSGD's first Q, QSGD's rounding) come from each layer's own key, so the
   updates equal the twin's in distribution; the bits are the twin's exactly."""
