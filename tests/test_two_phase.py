@@ -14,6 +14,7 @@ import dadjax
 from dadjax import compress as C
 from dadjax.comm import hlo_collectives, metered_all_to_all
 from dadjax.comm._wire import all_to_all_factor, wire_factor
+from dadjax.compress._two_phase import BLOCK as TWO_PHASE_BLOCK
 from dadjax.models import MLP
 from dadjax.parallel import stack_sites
 
@@ -27,8 +28,9 @@ def _grads(n, seed=0):
           "conv": jax.random.normal(k[2], (n, 3, 3, 4, 8)), "v": jax.random.normal(k[3], (n, 37))}
 
 
-# spec, code bits of phase one and phase two, fp32 scales per chunk (each phase), extra words
-# per phase-one chunk (sign: the abstain bits of the L = 4 tensors)
+# spec, code bits of phase one and phase two, whether a chunk carries fp32 scales (one per
+# C.BLOCK entries, each phase), extra words per phase-one chunk (sign: the abstain bits of the
+# L = 4 tensors)
 ROUTED = {
     "qsgd:7": (4, 4, 1, 0),  # 7 levels: 1 sign bit + 3 level bits
     "terngrad": (2, 2, 1, 0),
@@ -68,10 +70,11 @@ def _run(spec, n, backend):
 @pytest.mark.parametrize("spec", list(ROUTED))
 @pytest.mark.parametrize("n, backend", [(8, "vmap"), (8, "shard_map"), (64, "vmap")])
 def test_two_phase_books_its_wire_bits_and_the_program_moves_them(spec, n, backend):
-  b1, b2, scales, extra = ROUTED[spec]
+  b1, b2, scaled, extra = ROUTED[spec]
   stats, lowered, mean = _run(spec, n, backend)
   d = sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(_grads(1)))
   m = 32 * -(-d // (32 * n))  # entries per chunk: whole words
+  scales = scaled * -(-m // TWO_PHASE_BLOCK)
   row1 = b1 * m + 32 * (scales + extra)  # one chunk of phase one, the all-to-all's row
   row2 = b2 * m + 32 * scales  # one re-quantized chunk, the all-gather's payload
   # The ledger books the all-to-all as one row of all-gather traffic, and the all-gather.
@@ -144,6 +147,33 @@ def test_two_phase_is_unbiased(make):
     err = np.abs(samples.mean(0) - t)
     bound = 5 * samples.std(0) / np.sqrt(seeds) + 1e-6
     assert np.all(err <= bound), np.max(err / bound)
+
+
+@pytest.mark.parametrize("spec", ["qsgd:7", "terngrad", "quantize:4", "scaled_sign", "fp8"])
+def test_a_small_leaf_beside_a_large_one_keeps_its_own_scale(spec):
+  # A chunk cuts across leaves: one scale per chunk rounded a 1e-3 bias against a unit-scale
+  # matrix's norm (QSGD: diverged on the Fashion-MNIST MLP). One scale per C.BLOCK entries
+  # bounds the small leaf's error by its own magnitude.
+  n = 2
+  k = jax.random.split(jax.random.key(5), 2)
+  grads = {"big": jax.random.normal(k[0], (n, 64, 64)),
+           "small": 1e-3 * jax.random.normal(k[1], (n, 16384))}
+  mean, _, _ = jax.jit(lambda g: _exchange(C.get_compressor(f"{spec}:route=two_phase"), g))(grads)
+  true = np.asarray(grads["small"]).mean(0)
+  err = np.abs(np.asarray(mean["small"][0]) - true)
+  assert err.max() < 0.01 and np.sqrt((err ** 2).mean()) < 3e-3, err.max()
+
+
+def test_two_phase_books_one_scale_per_block():
+  like = {"w": jnp.zeros((96, 100)), "b": jnp.zeros((100,))}  # 9,700 entries
+  n, d = 4, 9_700
+  m = 32 * -(-d // (32 * n))  # 2,432 entries per chunk: 5 blocks of 512
+  blocks = -(-m // TWO_PHASE_BLOCK)
+  row = 4 * m + 32 * blocks  # qsgd:7: 4-bit codes, one fp32 norm per block
+  wire = C.route_wire_bits(C.get_compressor("qsgd:7:route=two_phase"), like, n)["two_phase"]
+  assert blocks == 5 and wire == (n - 1) * 2 * row
+  bucketed = C.route_wire_bits(C.get_compressor("qsgd:7:128:route=two_phase"), like, n)
+  assert bucketed["two_phase"] == (n - 1) * 2 * (4 * m + 32 * -(-m // 128))
 
 
 def test_error_feedback_keeps_the_first_quantization_error():

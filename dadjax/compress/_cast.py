@@ -155,18 +155,20 @@ def _fp8(wire) -> Compressor:
 
 
 def _fp8_codec(wire) -> Codec:
-  """fp8 chunks: one fp32 scale per chunk, four fp8 numbers per uint32 word."""
+  """fp8 chunks: one fp32 scale per block of a chunk, four fp8 numbers per uint32 word."""
   top = float(jnp.finfo(wire).max)
 
   def encode(v, key, rows, lay):
     del key, rows, lay
-    scale = tp.per_block(jnp.abs(v), None, jnp.max) / top
-    return tp.with_scales(scale, tp.pack_rows(_fp8_encode(v, scale, wire), 8))
+    scale = tp.per_block(jnp.abs(v), tp.BLOCK, jnp.max) / top
+    entries = tp.to_entries(scale, v.shape[1], tp.BLOCK)
+    return tp.with_scales(scale, tp.pack_rows(_fp8_encode(v, entries, wire), 8))
 
   def decode(buf, rows, lay):
     del rows
-    scale, words = tp.split_scales(buf, 1)
-    return _fp8_decode(tp.unpack_rows(words, 8, lay.chunk), scale, wire)
+    m = lay.chunk
+    scale, words = tp.split_scales(buf, tp.blocks(m, tp.BLOCK)[1])
+    return _fp8_decode(tp.unpack_rows(words, 8, m), tp.to_entries(scale, m, tp.BLOCK), wire)
 
   return Codec(encode, decode)
 

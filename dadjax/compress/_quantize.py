@@ -103,8 +103,8 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
       hash on the same float grid, several times cheaper to draw; spec
       ``qsgd:16:noise=hash``).
     route: ``"one_round"`` (all-gather of the payloads), ``"two_phase"``
-      (:func:`~dadjax.compress.two_phase`: one norm per chunk, or per
-      ``bucket_size`` entries of a chunk) or ``"auto"``; spec
+      (:func:`~dadjax.compress.two_phase`: one norm per ``bucket_size``
+      entries of a chunk, 512 by default) or ``"auto"``; spec
       ``qsgd:16:route=two_phase``.
 
   Returns:
@@ -127,7 +127,7 @@ def qsgd(levels: int = 16, bucket_size: int | None = None, noise: str = "threefr
   base = leafwise(bound(_qsgd_compress_leaf), bound(_qsgd_decompress_leaf), "gather",
                   name="qsgd", shardable=bucket_size is None)
   return two_phase(seg.segmented(base, bound(_qsgd_compress_all), bound(_qsgd_decode_all)),
-                   _qsgd_codec(s, opts.bits, bucket_size, draw), route)
+                   _qsgd_codec(s, opts.bits, bucket_size or tp.BLOCK, draw), route)
 
 
 class _Qsgd(NamedTuple):
@@ -203,8 +203,8 @@ def _qsgd_decode_all(opts: _Qsgd, payloads, likes):
   return seg.split(_qsgd_values(codes, norm, opts.s), lay)
 
 
-def _qsgd_codec(s: int, bits: int, block: int | None, draw) -> Codec:
-  """QSGD's chunks: one norm per ``block`` entries of a chunk (the whole chunk by default)."""
+def _qsgd_codec(s: int, bits: int, block: int, draw) -> Codec:
+  """QSGD's chunks: one norm per ``block`` entries of a chunk."""
 
   def encode(v, key, rows, lay):
     del rows, lay
@@ -257,8 +257,8 @@ def terngrad(clip: float | None = 2.5, noise: str = "threefry",
     noise: the Bernoulli draws' noise, ``"threefry"`` (default) or
       ``"hash"`` (as :func:`qsgd`'s).
     route: ``"one_round"``, ``"two_phase"`` or ``"auto"`` (as :func:`qsgd`'s).
-      On the two-phase route each chunk has its own scale (and its own
-      clipping bound); the chunk owner ternarizes the fp32 mean again
+      On the two-phase route each 512 entries of a chunk have their own
+      scale (and clipping bound); the chunk owner ternarizes the fp32 mean again
       without clipping, so the estimate stays unbiased for the clipped
       gradients.
 
@@ -324,24 +324,27 @@ def _valid_counts(rows, lay, block):
 
 
 def _terngrad_codec(clip: float | None, draw) -> Codec:
-  """TernGrad's chunks: one scale per chunk; phase two does not clip (the mean stays unbiased)."""
+  """TernGrad's chunks: one scale per block; phase two does not clip (the mean stays unbiased)."""
+  block = tp.BLOCK
 
   def encoder(clipping):
     def encode(v, key, rows, lay):
       m = v.shape[1]
       if clipping is not None:
-        norm = tp.per_block(v, None, lambda x, axis: safe_norm(x, axis=axis))
-        bound = tp.to_entries(clipping * norm / jnp.sqrt(_valid_counts(rows, lay, None)), m, None)
+        norm = tp.per_block(v, block, lambda x, axis: safe_norm(x, axis=axis))
+        bound = tp.to_entries(clipping * norm / jnp.sqrt(_valid_counts(rows, lay, block)), m,
+                              block)
         v = jnp.clip(v, -bound, bound)
-      scale = tp.per_block(jnp.abs(v), None, jnp.max)
-      codes = _terngrad_codes(v, tp.to_entries(scale, m, None), tp.noise(draw, key, v.shape))
+      scale = tp.per_block(jnp.abs(v), block, jnp.max)
+      codes = _terngrad_codes(v, tp.to_entries(scale, m, block), tp.noise(draw, key, v.shape))
       return tp.with_scales(scale, tp.pack_rows(codes, 2))
     return encode
 
   def decode(buf, rows, lay):
     del rows
-    scale, words = tp.split_scales(buf, 1)
-    return _terngrad_values(tp.unpack_rows(words, 2, lay.chunk), scale)
+    m = lay.chunk
+    scale, words = tp.split_scales(buf, tp.blocks(m, block)[1])
+    return _terngrad_values(tp.unpack_rows(words, 2, m), tp.to_entries(scale, m, block))
 
   return Codec(encoder(clip), decode, encode2=encoder(None))
 
@@ -514,8 +517,8 @@ def scaled_sign(route: str = "one_round") -> Compressor:
   (``"ef_scaled_sign"``), which is EF-signSGD. A zero tensor sends scale 0.
 
   Args:
-    route: ``"one_round"``, ``"two_phase"`` (one scale per chunk; the owner
-      sends the scaled sign of the chunk's mean) or ``"auto"``.
+    route: ``"one_round"``, ``"two_phase"`` (one scale per 512 entries of a chunk;
+      the owner sends the scaled sign of the chunk's mean) or ``"auto"``.
 
   Returns:
     A ``"gather"`` :class:`Compressor` of ``32 + 32 * ceil(d / 32)`` bits
@@ -553,17 +556,19 @@ def scaled_sign(route: str = "one_round") -> Compressor:
 
 
 def _scaled_sign_codec() -> Codec:
-  """Scaled sign's chunks: the mean magnitude of the chunk's real entries, and 1-bit signs."""
+  """Scaled sign's chunks: the mean magnitude of each block's real entries, and 1-bit signs."""
+  block = tp.BLOCK
 
   def encode(v, key, rows, lay):
     del key
-    scale = tp.per_block(jnp.abs(v), None, jnp.sum) / _valid_counts(rows, lay, None)
+    scale = tp.per_block(jnp.abs(v), block, jnp.sum) / _valid_counts(rows, lay, block)
     return tp.with_scales(scale, tp.pack_rows((v < 0).astype(jnp.uint32), 1))
 
   def decode(buf, rows, lay):
     del rows
-    scale, words = tp.split_scales(buf, 1)
-    return _signed(scale, tp.unpack_rows(words, 1, lay.chunk) == 1)
+    m = lay.chunk
+    scale, words = tp.split_scales(buf, tp.blocks(m, block)[1])
+    return _signed(tp.to_entries(scale, m, block), tp.unpack_rows(words, 1, m) == 1)
 
   return Codec(encode, decode)
 
@@ -586,7 +591,7 @@ def _int_values(codes, scale, top):
 def quantize(bits: int = 8, noise: str = "threefry", route: str = "one_round") -> Compressor:
   """Quantize to ``bits`` bits with stochastic rounding: ``2^(b-1) - 1`` levels each side of 0.
 
-  Each tensor (each chunk on the two-phase route) sends its fp32 scale
+  Each tensor (each 512 entries of a chunk on the two-phase route) sends its fp32 scale
   ``max |g|`` and every entry as the integer ``l_i`` in ``[-L, L]``,
   ``L = 2^(b-1) - 1``, rounded from ``L g_i / max|g|`` up with probability
   equal to the fractional part: ``E[scale * l_i / L] = g_i`` (unbiased).
@@ -630,14 +635,16 @@ def quantize(bits: int = 8, noise: str = "threefry", route: str = "one_round") -
 
   def encode(v, key, rows, lay):
     del rows, lay
-    scale = tp.per_block(jnp.abs(v), None, jnp.max)
-    codes = _int_codes(v, scale, tp.noise(draw, key, v.shape), top)
-    return tp.with_scales(scale, tp.pack_rows(codes, b))
+    scale = tp.per_block(jnp.abs(v), tp.BLOCK, jnp.max)
+    entries = tp.to_entries(scale, v.shape[1], tp.BLOCK)
+    return tp.with_scales(scale, tp.pack_rows(_int_codes(v, entries, tp.noise(draw, key, v.shape),
+                                                         top), b))
 
   def decode(buf, rows, lay):
     del rows
-    scale, words = tp.split_scales(buf, 1)
-    return _int_values(tp.unpack_rows(words, b, lay.chunk), scale, top)
+    m = lay.chunk
+    scale, words = tp.split_scales(buf, tp.blocks(m, tp.BLOCK)[1])
+    return _int_values(tp.unpack_rows(words, b, m), tp.to_entries(scale, m, tp.BLOCK), top)
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", name=f"quantize{b}", shardable=True)
   return two_phase(base, Codec(encode, decode), route)

@@ -8,8 +8,8 @@ quantized collectives do:
 1. every site flattens all its gradient leaves into one fp32 vector of ``D``
    entries, pads it to ``N`` chunks of ``m`` entries (``m`` a multiple of 32,
    so each chunk packs into whole uint32 words) and quantizes each chunk on
-   its own, with its own scales (one per ``block`` entries of the chunk; one
-   per chunk by default);
+   its own, with its own scales (one fp32 scale per :data:`BLOCK` = 512
+   entries of the chunk, or per QSGD bucket);
 2. an all-to-all sends chunk ``j`` to site ``j`` (a reduce-scatter of the
    quantized chunks);
 3. site ``j`` dequantizes the ``N`` versions of its chunk and averages them in
@@ -57,6 +57,11 @@ from dadjax.comm import (NO_TRAFFIC, axis_size, metered_all_gather, metered_all_
 from dadjax.compress._base import Compressor, Exchanged, as_keys, one_round_exchange
 
 ROUTES = ("one_round", "two_phase", "auto")
+
+# Entries per fp32 scale of a chunk on the two-phase route (ZeRO++ qgZ's block quantization):
+# +1/16 bit per entry. A chunk cuts across leaves of very different magnitudes; one scale per
+# chunk (~232,000 entries on a 1.86M MLP at N = 8) let QSGD's second rounding diverge.
+BLOCK = 512
 
 
 class Layout(NamedTuple):
