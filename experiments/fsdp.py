@@ -79,13 +79,13 @@ def _run(spec, inner, rules, shard, steps, rows):
   return step, state, by_axis
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--rows", type=int, default=16, help="global batch rows (8 per site)")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--out", default=None, help="write fsdp.md into this directory")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   lines = ["| method | layout | params+opt bytes/device | vs replicated | site-axis bits/step | "
            "in-site bits/device/step | max abs param diff |", "|---" * 7 + "|"]
   for spec in args.methods.split(","):

@@ -321,7 +321,7 @@ def _merge(old_rows, new_rows):
   return out + [r for r in new_rows if key(r) in new]
 
 
-def main() -> int:
+def main(argv=None) -> int:
   from dadjax.registry import split_specs  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -342,7 +342,7 @@ def main() -> int:
                       "--methods) with the branches their steps took")
   parser.add_argument("--out", default=None, help="the table (default: experiments/results/"
                       "netlab.md, netlab_quick.md with --quick)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   methods = split_specs(args.methods) if args.methods else METHODS
   links = LINKS[:1] if args.quick else LINKS
   seeds = [0] if args.quick else [0, 1, 2]

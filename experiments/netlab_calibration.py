@@ -212,7 +212,7 @@ def plot(rows, fit, path) -> None:
   fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a small grid (smoke run)")
   parser.add_argument("--sites", default="2,4", help="comma-separated N")
@@ -220,7 +220,7 @@ def main() -> int:
                       help="skip points the textbook model puts above this")
   parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
   parser.add_argument("--rows", help="re-fit saved rows (JSON) instead of measuring")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   command = "python experiments/netlab_calibration.py" + (" --quick" if args.quick else "")
