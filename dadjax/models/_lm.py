@@ -14,6 +14,7 @@ from typing import Callable, Optional, Tuple
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dadjax._core.validate import check_real
 from dadjax.models._transformer import TransformerBlock
 
 
@@ -58,8 +59,7 @@ class TransformerLM(nn.Module):
   dropout: float = 0.0
 
   def __post_init__(self):
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    check_real("dropout", self.dropout, "[0, 1)")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads="
                        f"{self.num_heads}")

@@ -5,6 +5,8 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dadjax._core.validate import check_real
+
 
 class MLP(nn.Module):
   """ReLU MLP on flattened inputs.
@@ -35,8 +37,7 @@ class MLP(nn.Module):
   dropout: float = 0.0
 
   def __post_init__(self):
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    check_real("dropout", self.dropout, "[0, 1)")
     super().__post_init__()
 
   @nn.compact

@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dadjax._core.validate import check_real
+
 
 class TransformerBlock(nn.Module):
   """Pre-LN encoder block: ``x + MHA(LN(x))`` then ``x + MLP(LN(x))``.
@@ -43,8 +45,7 @@ class TransformerBlock(nn.Module):
   causal: bool = False
 
   def __post_init__(self):
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    check_real("dropout", self.dropout, "[0, 1)")
     super().__post_init__()
 
   @nn.compact
@@ -118,8 +119,7 @@ class Transformer(nn.Module):
   dropout: float = 0.0
 
   def __post_init__(self):
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    check_real("dropout", self.dropout, "[0, 1)")
     super().__post_init__()
 
   @nn.compact
