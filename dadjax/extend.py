@@ -12,13 +12,14 @@
   :func:`metered_all_gather` return ``(result, Traffic)``; :class:`Traffic`, :data:`NO_TRAFFIC`,
   :func:`traffic_add`. Every new collective goes through them, so the
   ledger counts what was sent.
-- **Sharded parameters** (``make_train_step(..., shard_params=True)``): a
-  compressor that sets ``shardable=True`` takes a sliced leaf's
-  whole-tensor statistics and noise from :func:`whole_sum`,
-  :func:`whole_max`, :func:`whole_size` and :func:`slice_uniform`
-  (:func:`leaf_shard` says how the current leaf is cut, :func:`shard_axes`
-  over which axes); a method that needs the whole tensor calls
-  :func:`require_whole_leaves`, which refuses in a sharded step.
+- **Sharded parameters**: nothing to do. The step places sharded state with
+  ``NamedSharding`` and XLA partitions the program, so a method sees whole
+  logical tensors (:class:`~dadjax.parallel.SiteMesh`). The slice helpers
+  of earlier versions (:func:`whole_sum`, :func:`whole_max`,
+  :func:`whole_size`, :func:`slice_uniform`, :func:`leaf_shard`,
+  :func:`shard_axes`, :func:`require_whole_leaves`) and a compressor's
+  ``shardable`` flag are kept until the next minor version as plain local
+  computations (:mod:`dadjax._core.shards`).
 - **Sites**: :func:`axis_size`, :func:`site_index`, :func:`sum_over_sites`,
   :func:`mean_over_sites`, :func:`gather_sites`.
 - **The ledger**: :func:`ledger_init`, :func:`ledger_record`,

@@ -1,30 +1,27 @@
-"""Parameters sharded within a site (FSDP): what the methods are told while a step is traced.
+"""Slice-aware statistics for compressors: kept for compatibility, plain local math today.
 
-With ``make_train_step(..., shard_params=True)`` on a 2-D mesh, every
-device of a site holds only a slice of each parameter, of its optimizer
-state and of the site's averaged gradient. A compressor that acts on each
-entry on its own (all-reduce, casting, signSGD's majority vote, error
-feedback around them, elementwise optimizers) runs unchanged on the slice.
-A compressor that needs a statistic of the whole tensor (a norm, a maximum,
-a mean) or random draws tied to the whole tensor computes them with the
-helpers here: :func:`whole_sum` / :func:`whole_max` reduce a slice's
-statistic over the site's devices, :func:`whole_size` counts the whole
-tensor and :func:`slice_uniform` draws this slice of the whole tensor's
-uniform noise, so the result equals the replicated layout's. Outside a
-sharded step (or for a leaf kept whole) every helper is the plain local
-computation. A method that needs the whole tensor itself (TopK's
-selection, PowerSGD's matrices, Accordion's per-tensor norms) calls
-:func:`require_whole_leaves`, which refuses in a sharded step.
+Before 0.5, ``make_train_step(..., shard_params=True)`` traced the methods on
+each device's slice of a parameter inside :func:`sharded_parameters`, and a
+compressor that needed a statistic of the whole tensor (a norm, a maximum)
+or noise tied to it took them from :func:`whole_sum` / :func:`whole_max` /
+:func:`whole_size` / :func:`slice_uniform`; a method that needed the whole
+tensor called :func:`require_whole_leaves`. Since 0.5 the step places a
+site's state with ``NamedSharding`` and XLA (GSPMD) partitions the program:
+every method sees whole logical tensors, sharded or not
+(:class:`~dadjax.parallel.SiteMesh`), so the step never enters
+:func:`sharded_parameters`, every helper here is the plain local computation
+and a compressor's ``shardable`` flag changes nothing.
 
-This is trace-time Python state (the step enters :func:`sharded_parameters`
-around the code it traces; :func:`~dadjax.compress.leafwise` enters
-:func:`current_leaf` around each leaf), so it costs nothing at run time.
+The names stay because :mod:`dadjax.extend` promises them until the next
+minor version; entering :func:`sharded_parameters` warns
+(``DeprecationWarning``). New compressors need none of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Callable, Iterator, Mapping, NamedTuple
 
 import jax
@@ -51,6 +48,9 @@ def sharded_parameters(axes: tuple[str, ...],
     dims: leaf path (``"['hidden_0']['kernel']"``) -> the sharded dimension,
       or ``None`` for a leaf kept whole on every device.
   """
+  warnings.warn("dadjax._core.shards.sharded_parameters is deprecated: the step places sharded "
+                "parameters with GSPMD and methods see whole logical tensors; it goes in the next "
+                "minor version", DeprecationWarning, stacklevel=3)
   _ACTIVE.append((tuple(axes), dict(dims or {})))
   try:
     yield

@@ -131,12 +131,9 @@ class Compressor(NamedTuple):
       :func:`~dadjax.compress.error_feedback` returned); wrapping it in
       ``error_feedback`` again then returns it unchanged.
     name: the method's name (error messages and key separation).
-    shardable: ``True`` when the compressor runs on slices of parameters
-      sharded within a site (``make_train_step(..., shard_params=True)``)
-      and gives the replicated layout's result: it acts on each entry alone,
-      or takes its whole-tensor statistics and noise from
-      :mod:`dadjax._core.shards` (``whole_sum``, ``whole_max``, ``whole_size``,
-      ``slice_uniform``). Other compressors refuse there.
+    shardable: kept for compatibility; changes nothing since 0.5 (the step
+      gives every compressor whole logical tensors, sharded or not:
+      :mod:`dadjax._core.shards`). Goes in the next minor version.
   """
 
   init: Callable[[Any], Any]

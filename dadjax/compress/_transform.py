@@ -27,9 +27,9 @@ class CompressedState(NamedTuple):
 
 
 def shardable_compressors() -> list[str]:
-  """The registered compressors whose ``shardable`` flag is set (built with their defaults).
+  """The registered compressors whose (deprecated, inert) ``shardable`` flag is set.
 
-  Each compressor declares it once, on itself; ``ef(...)`` of one inherits it.
+  Kept with the flag until the next minor version (:mod:`dadjax._core.shards`).
   """
   names = []
   for entry in registry.entries("compressor"):
