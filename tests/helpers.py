@@ -74,3 +74,35 @@ def run_steps(step, batches: dict | Callable[[int], dict], steps: int, *, init_x
     state, metrics = step(state, batch_at(i))
     history.append(metrics)
   return state, history
+
+
+def compiled_dad_step(model, x, y, rows: int, sites: int, axis: str = "data"):
+  """A hand-written shard_map step of ``model``'s dAD layers (no ``make_train_step``),
+  compiled and run once on ``(x, y)``: ``(compiled program, the ledger's CommSummary)``.
+
+  The collectives of the compiled program are what dAD's layers and
+  ``dad.synchronize`` put there, nothing else: the tests compare them with the ledger.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  from dadjax import dad
+  from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
+
+  variables = dict(model.init(jax.random.key(0), x[:rows]))
+  params = variables.pop("params")
+  variables.pop("comm", None)
+  tx = dad.synchronize(dad.layer_mask({"params": params, **variables}), axis_name=axis)
+  state = stack_sites((params, variables, tx.init(params)), sites)
+
+  def site(state, x, y):
+    params, model_state, opt_state = jax.tree.map(lambda v: v[0], state)
+    local = local_gradients(model, softmax_cross_entropy, params, model_state, {"x": x, "y": y})
+    updates, opt_state = tx.update(local.grads, opt_state, params, **local.extra_args)
+    new = (optax.apply_updates(params, updates), local.model_state, opt_state)
+    return jax.tree.map(lambda v: v[None], new)
+
+  mesh = dadjax.make_mesh(sites, axis)
+  step = jax.jit(jax.shard_map(site, mesh=mesh, in_specs=(P(axis),) * 3, out_specs=P(axis)))
+  compiled = step.lower(state, x, y).compile()
+  _, _, opt_state = compiled(state, x, y)
+  return compiled, dadjax.comm_stats(opt_state)

@@ -27,7 +27,8 @@ from dadjax import dad
 from dadjax.comm import hlo_collectives
 from dadjax.comm._wire import latency_messages
 from dadjax.models import ResNet18
-from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
+from dadjax.parallel import softmax_cross_entropy, stack_sites
+from helpers import compiled_dad_step
 
 SITES = 8
 
@@ -199,25 +200,7 @@ def test_dad_compiled_bytes_equal_ledger_and_model_charges_ops(kw, use_bias, dty
   model = _DadNet(kw, use_bias)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(SITES * rows, 12)), dtype)
   y = jnp.asarray(np.arange(SITES * rows) % 3, jnp.int32)
-  variables = dict(model.init(jax.random.key(0), x[:rows]))
-  params = variables.pop("params")
-  variables.pop("comm", None)
-  mask = dad.layer_mask({"params": params, **variables})
-  tx = dad.synchronize(mask, axis_name="data")
-  state = stack_sites((params, variables, tx.init(params)), SITES)
-  mesh = dadjax.make_mesh(SITES, "data")
-
-  def site(state, x, y):
-    params, model_state, opt_state = jax.tree.map(lambda v: v[0], state)
-    local = local_gradients(model, softmax_cross_entropy, params, model_state, {"x": x, "y": y})
-    updates, opt_state = tx.update(local.grads, opt_state, params, **local.extra_args)
-    new = (optax.apply_updates(params, updates), local.model_state, opt_state)
-    return jax.tree.map(lambda v: v[None], new)
-
-  step = jax.jit(jax.shard_map(site, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data")))
-  compiled = step.lower(state, x, y).compile()
-  _, _, opt_state = compiled(state, x, y)
-  stats = dadjax.comm_stats(opt_state)
+  compiled, stats = compiled_dad_step(model, x, y, rows, SITES)
   _check(compiled, stats)
   # The plan reads the same payloads: sown bits == planned bits for N = 8.
   plan = dad.layer_plan(model, x[:rows], num_sites=SITES)

@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import dadjax
 from dadjax import dad
 from dadjax.comm import hlo_collectives
-from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
+from helpers import compiled_dad_step
 
 SITES = 8
 AXIS = "data"
@@ -151,24 +150,7 @@ def test_compiled_gather_bytes_equal_ledger(options):
   rows = 2
   model = UserBlock(functools.partial(dad.DotGeneral, **options))
   x, y = _data((SITES * rows, 4, 8))
-  variables = dict(model.init(jax.random.key(0), x[:rows]))
-  params = variables.pop("params")
-  variables.pop("comm", None)
-  tx = dad.synchronize(dad.layer_mask({"params": params, **variables}), axis_name=AXIS)
-  state = stack_sites((params, variables, tx.init(params)), SITES)
-  mesh = dadjax.make_mesh(SITES, AXIS)
-
-  def site(state, x, y):
-    params, model_state, opt_state = jax.tree.map(lambda v: v[0], state)
-    local = local_gradients(model, softmax_cross_entropy, params, model_state, {"x": x, "y": y})
-    updates, opt_state = tx.update(local.grads, opt_state, params, **local.extra_args)
-    new = (optax.apply_updates(params, updates), local.model_state, opt_state)
-    return jax.tree.map(lambda v: v[None], new)
-
-  step = jax.jit(jax.shard_map(site, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
-  compiled = step.lower(state, x, y).compile()
-  _, _, opt_state = compiled(state, x, y)
-  stats = dadjax.comm_stats(opt_state)
+  compiled, stats = compiled_dad_step(model, x, y, rows, SITES, AXIS)
   ops = hlo_collectives(compiled.as_text())
   assert 8 * ops.nbytes["gather"] == stats.gather_bits[0]
   assert 8 * ops.nbytes["reduce"] == stats.reduce_bits[0]
