@@ -129,8 +129,8 @@ def _corpus(root: pathlib.Path) -> str:
   return str(root / "*.txt")
 
 
-@pytest.mark.parametrize("model,kwargs", [("transformer_lm", TINY_LM),
-                                          ("lstm_lm", {"hidden": 32, "embed_dim": 16})])
+@pytest.mark.parametrize("model,kwargs", [("transformer_lm", TINY_LM), pytest.param(  # suite time
+    "lstm_lm", {"hidden": 32, "embed_dim": 16}, marks=pytest.mark.slow)])
 def test_a_few_steps_reduce_the_lm_loss_from_a_config(tmp_path, model, kwargs):
   cfg = Config(dataset="text:" + _corpus(tmp_path), dataset_kwargs={"seq_len": 16},
                model=model, model_kwargs=kwargs, num_sites=2, batch_per_site=8, steps=30,

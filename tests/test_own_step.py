@@ -129,8 +129,9 @@ def _gspmd_run(spec, mesh, x, y, steps=3):
   return params, opt_state, site_fn
 
 
-@pytest.mark.parametrize("spec", ["allreduce", "ef(topk:0.01)", "powersgd:2"])
-@pytest.mark.parametrize("model_axis", [1, 4])
+@pytest.mark.parametrize("spec, model_axis", [  # suite time: two of the six run with -m slow
+    ("allreduce", 1), ("allreduce", 4), pytest.param("ef(topk:0.01)", 1, marks=pytest.mark.slow),
+    ("ef(topk:0.01)", 4), ("powersgd:2", 1), pytest.param("powersgd:2", 4, marks=pytest.mark.slow)])
 def test_a_gspmd_step_wrapped_with_site_map_trains_like_make_train_step(spec, model_axis):
   rng = np.random.default_rng(1)
   x = rng.normal(size=(16, 10)).astype(np.float32)

@@ -42,7 +42,8 @@ def _pooled_reference(steps=3, rows=32):
   return params
 
 
-@pytest.mark.parametrize("num_sites", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_sites", [1, pytest.param(2, marks=pytest.mark.slow),  # suite time
+                                       pytest.param(4, marks=pytest.mark.slow), 8])
 def test_backends_agree_and_equal_pooled_training(num_sites):
   reference = _pooled_reference()
   results = {}

@@ -215,9 +215,13 @@ def test_shard_dims_split_the_largest_divisible_dimension():
 
 
 # One method of every family, and the whole-tensor methods the old FSDP refused.
-FAMILIES = ["allreduce", "bf16", "ef(topk:0.1)", "powersgd:2", "qsgd:8", "sign",
-            "accordion(powersgd:2,powersgd:1,window=1,interval=1)", "dad", "rank_dad:2",
-            "dad:bucket", "dataquant:2:classes=5", "diloco:2:compress=powersgd(2)"]
+# Suite time: the default run keeps one method of each family; the rest run with -m slow.
+_SLOW = pytest.mark.slow
+FAMILIES = ["allreduce", pytest.param("bf16", marks=_SLOW), "ef(topk:0.1)", "powersgd:2",
+            pytest.param("qsgd:8", marks=_SLOW), pytest.param("sign", marks=_SLOW),
+            pytest.param("accordion(powersgd:2,powersgd:1,window=1,interval=1)", marks=_SLOW),
+            "dad", pytest.param("rank_dad:2", marks=_SLOW), pytest.param("dad:bucket", marks=_SLOW),
+            "dataquant:2:classes=5", "diloco:2:compress=powersgd(2)"]
 LAYOUTS = {"tp": {"model": 4}, "fsdp_tp": {"fsdp": 2, "model": 2}}
 
 

@@ -109,8 +109,10 @@ def _grads(step):
   return stacked, twin
 
 
-@pytest.mark.parametrize("spec", ["topk:0.25", "ef(topk:0.25)", "sign", "ef_scaled_sign",
-                                  "scaled_sign", "bf16"])
+# suite time: the error-fed and scaled variants of the twins run with -m slow
+@pytest.mark.parametrize("spec", ["topk:0.25", pytest.param("ef(topk:0.25)", marks=pytest.mark.slow),
+                                  "sign", pytest.param("ef_scaled_sign", marks=pytest.mark.slow),
+                                  pytest.param("scaled_sign", marks=pytest.mark.slow), "bf16"])
 def test_deterministic_compressors_equal_the_unscanned_twin(spec):
   tx = dadjax.compressed(dadjax.compress.get_compressor(spec))
 
@@ -153,7 +155,8 @@ def test_a_scanned_model_trains_like_its_twin_through_the_step():
                                                           b.total_bits)
 
 
-@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", "rank_dad:2", pytest.param(
+@pytest.mark.parametrize("spec", ["powersgd:2", "qsgd:4", pytest.param("rank_dad:2", marks=pytest.mark.slow),
+                                  pytest.param(
     "accordion(powersgd:2,powersgd:1,window=1,interval=1)", marks=pytest.mark.slow)])
 def test_keyed_methods_book_the_twins_bits(spec):
   """Keyed draws (PowerSGD's first Q, QSGD's rounding) come from each layer's own key, so the
