@@ -166,9 +166,8 @@ def _fp8_codec(wire) -> Codec:
 
   def decode(buf, rows, lay):
     del rows
-    m = lay.chunk
-    scale, words = tp.split_scales(buf, tp.blocks(m, tp.BLOCK)[1])
-    return _fp8_decode(tp.unpack_rows(words, 8, m), tp.to_entries(scale, m, tp.BLOCK), wire)
+    scale, codes = tp.split_scales(buf, 8, lay.chunk, tp.BLOCK)
+    return _fp8_decode(codes, scale, wire)
 
   return Codec(encode, decode)
 

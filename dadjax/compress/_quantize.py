@@ -214,9 +214,8 @@ def _qsgd_codec(s: int, bits: int, block: int, draw) -> Codec:
 
   def decode(buf, rows, lay):
     del rows
-    m = lay.chunk
-    norm, words = tp.split_scales(buf, tp.blocks(m, block)[1])
-    return _qsgd_values(tp.unpack_rows(words, bits, m), tp.to_entries(norm, m, block), s)
+    norm, codes = tp.split_scales(buf, bits, lay.chunk, block)
+    return _qsgd_values(codes, norm, s)
 
   return Codec(encode, decode)
 
@@ -342,9 +341,8 @@ def _terngrad_codec(clip: float | None, draw) -> Codec:
 
   def decode(buf, rows, lay):
     del rows
-    m = lay.chunk
-    scale, words = tp.split_scales(buf, tp.blocks(m, block)[1])
-    return _terngrad_values(tp.unpack_rows(words, 2, m), tp.to_entries(scale, m, block))
+    scale, codes = tp.split_scales(buf, 2, lay.chunk, block)
+    return _terngrad_values(codes, scale)
 
   return Codec(encoder(clip), decode, encode2=encoder(None))
 
@@ -566,9 +564,8 @@ def _scaled_sign_codec() -> Codec:
 
   def decode(buf, rows, lay):
     del rows
-    m = lay.chunk
-    scale, words = tp.split_scales(buf, tp.blocks(m, block)[1])
-    return _signed(tp.to_entries(scale, m, block), tp.unpack_rows(words, 1, m) == 1)
+    scale, codes = tp.split_scales(buf, 1, lay.chunk, block)
+    return _signed(scale, codes == 1)
 
   return Codec(encode, decode)
 
@@ -642,9 +639,8 @@ def quantize(bits: int = 8, noise: str = "threefry", route: str = "one_round") -
 
   def decode(buf, rows, lay):
     del rows
-    m = lay.chunk
-    scale, words = tp.split_scales(buf, tp.blocks(m, tp.BLOCK)[1])
-    return _int_values(tp.unpack_rows(words, b, m), tp.to_entries(scale, m, tp.BLOCK), top)
+    scale, codes = tp.split_scales(buf, b, lay.chunk, tp.BLOCK)
+    return _int_values(codes, scale, top)
 
   base = leafwise(compress_leaf, decompress_leaf, "gather", name=f"quantize{b}", shardable=True)
   return two_phase(base, Codec(encode, decode), route)

@@ -185,8 +185,12 @@ def with_scales(scales: jax.Array, words: jax.Array) -> jax.Array:
                           words], axis=1)
 
 
-def split_scales(buf: jax.Array, nb: int) -> tuple[jax.Array, jax.Array]:
-  return jax.lax.bitcast_convert_type(buf[:, :nb], jnp.float32), buf[:, nb:]
+def split_scales(buf: jax.Array, bits: int, m: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """A :func:`with_scales` buffer of ``m``-entry rows read back: ``(scale of each entry
+  f32[R, m], codes u32[R, m])``, one scale per ``block`` entries, ``bits`` per code."""
+  nb = blocks(m, block)[1]
+  scales = jax.lax.bitcast_convert_type(buf[:, :nb], jnp.float32)
+  return to_entries(scales, m, block), unpack_rows(buf[:, nb:], bits, m)
 
 
 def noise(draw: Callable, key: jax.Array, shape: tuple[int, int]) -> jax.Array:
