@@ -12,9 +12,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import dadjax
-from dadjax import models
+from dadjax import dad, models
+from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
 
 
 def data(rows: int, features: int | tuple[int, ...] = 6, classes: int = 3,
@@ -83,11 +85,6 @@ def compiled_dad_step(model, x, y, rows: int, sites: int, axis: str = "data"):
   The collectives of the compiled program are what dAD's layers and
   ``dad.synchronize`` put there, nothing else: the tests compare them with the ledger.
   """
-  from jax.sharding import PartitionSpec as P
-
-  from dadjax import dad
-  from dadjax.parallel import local_gradients, softmax_cross_entropy, stack_sites
-
   variables = dict(model.init(jax.random.key(0), x[:rows]))
   params = variables.pop("params")
   variables.pop("comm", None)
