@@ -26,7 +26,10 @@ writes into ``experiments/results/device/``. ``--ablate`` adds kernel timings
 on each model's parameter shapes (noise, packing, top-k selection,
 orthogonalization; see :func:`ablations`). On the MLP, when ``torch`` is importable
 (it is not a dependency), PyTorch DDP rows follow: the plain step and DDP with the PowerSGD
-hook (rank 4, error feedback, warm start) over ``--sites`` gloo processes (``--torch``).
+hook (rank 4, error feedback, warm start) over ``--sites`` gloo processes (``--torch``);
+``--processes`` adds dadjax's MLP rows in that layout (each site its own process, one device
+and one XLA thread, gloo over 127.0.0.1), where the shard_map rows run every site's kernels
+in one process, one after the other.
 
 Not :func:`dadjax.run.train`: it compiles and times the raw step on a
 synthetic batch, placed once, with nothing else in the loop.
@@ -35,6 +38,7 @@ Examples:
   python experiments/bench_scale.py --quick                 # small sizes, a smoke run
   python experiments/bench_scale.py --models vit --methods allreduce,qsgd:16 --pairs 5
   python experiments/bench_scale.py --device gpu            # on an accelerator
+  python experiments/bench_scale.py --models mlp --methods allreduce,powersgd:4 --processes
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ def parse_args(argv=None):
   p.add_argument("--torch", default="auto", choices=("auto", "on", "off"),
                  help="PyTorch DDP rows on the MLP (plain step and the PowerSGD hook) when torch "
                       "is importable (auto), required (on) or never (off)")
+  p.add_argument("--processes", action="store_true",
+                 help="also run the MLP rows with each site in its own process (one device and "
+                      "one thread each, gloo over 127.0.0.1): the torch rows' layout")
   p.add_argument("--out", default=None, help="results file (default experiments/results/"
                  "bench_scale.md, or device/bench_scale.md with --device gpu)")
   args = p.parse_args(argv)
@@ -395,6 +402,82 @@ def _torch_worker(rank, sites, hidden, batch, pairs, port, out_path):
   dist.destroy_process_group()
 
 
+def _free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+# One XLA:CPU thread per process: the layout of the torch rows (``torch.set_num_threads(1)``).
+ONE_THREAD_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false "
+                    "intra_op_parallelism_threads=1")
+
+
+def _jax_worker(rank, args, port, out_path):
+  """One process of the ``--processes`` rows: one CPU device, one thread, gloo collectives.
+
+  Compiles every method's MLP step over the ``--sites`` processes' devices and runs them in
+  turn ``--pairs`` times (fp32, method 1, method 2, ..., fp32, ...); rank 0 writes the seconds.
+  """
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = ONE_THREAD_FLAGS
+  import jax  # pylint: disable=g-import-not-at-top  (after XLA_FLAGS)
+  import dadjax  # pylint: disable=g-import-not-at-top
+  from dadjax.compress import _base  # pylint: disable=g-import-not-at-top
+
+  _base.GROUP_SAME_SHAPES = not args.per_leaf
+  dadjax.initialize(f"127.0.0.1:{port}", num_processes=args.sites, process_id=rank)
+  jobs = {spec: Job(args, "mlp", spec) for spec in args.methods}
+  times = {spec: [] for spec in jobs}
+  for _ in range(args.pairs):
+    for spec, job in jobs.items():
+      times[spec].append(job.step())
+  if rank == 0:
+    with open(out_path, "w") as f:
+      f.write(repr(times))
+  jax.distributed.shutdown()
+
+
+def process_rows(args) -> list[str]:
+  """dadjax's MLP rows in the torch rows' layout: ``--sites`` processes, one device and thread each.
+
+  The shard_map rows run every simulated site in one process, so a step pays all sites'
+  kernels one after the other; here each site is its own process (``dadjax.initialize``, gloo
+  over 127.0.0.1), as each DDP rank is, and the step time is rank 0's.
+  """
+  import ast  # pylint: disable=g-import-not-at-top
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  port = _free_port()
+  ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: XLA_FLAGS before jax
+  with tempfile.TemporaryDirectory() as tmpdir:
+    out_path = os.path.join(tmpdir, "times")
+    procs = [ctx.Process(target=_jax_worker, args=(rank, args, port, out_path))
+             for rank in range(args.sites)]
+    for proc in procs:
+      proc.start()
+    for proc in procs:
+      proc.join()
+    if any(proc.exitcode for proc in procs):
+      raise SystemExit(f"--processes: a worker failed (exit codes {[p.exitcode for p in procs]})")
+    with open(out_path) as f:
+      times = ast.literal_eval(f.read())
+  base = 1e3 * statistics.median(times["allreduce"])
+  batch = args.batch or (4 if args.quick else MODELS["mlp"][4])
+  out = [f"#### dadjax on the MLP in the same layout ({args.sites} processes, 1 device and 1 "
+         f"thread each, gloo, batch {batch} per site, {args.pairs} interleaved rounds)", "",
+         "| method | step (ms) | vs fp32 all-reduce: median [q1, q3] | added (ms) |",
+         "|---|---:|---|---:|"]
+  for spec, ts in times.items():
+    q1, med, q3 = quartiles([t / b for b, t in zip(times["allreduce"], ts)])
+    ms = 1e3 * statistics.median(ts)
+    out.append(f"| `{spec}` | {ms:.0f} | {med:.2f} [{q1:.2f}, {q3:.2f}] | {ms - base:.0f} |")
+    print(f"dadjax {args.sites} processes: {spec} {ms:.0f} ms (x{med:.2f})", flush=True)
+  return out + [""]
+
+
 def torch_rows(args) -> list[str]:
   """PyTorch DDP (gloo, ``--sites`` processes) on the MLP: the plain step and the PowerSGD hook.
 
@@ -402,16 +485,13 @@ def torch_rows(args) -> list[str]:
   two steps run alternately ``--pairs`` times after 5 warm-up steps, each rank on one thread.
   """
   import ast  # pylint: disable=g-import-not-at-top
-  import socket  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   import torch.multiprocessing as tmp  # pylint: disable=g-import-not-at-top
 
   batch = args.batch or (4 if args.quick else MODELS["mlp"][4])
   hidden = tuple(MODELS["mlp"][2 if args.quick else 1]["hidden"])
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+  port = _free_port()
   with tempfile.TemporaryDirectory() as tmpdir:
     out_path = os.path.join(tmpdir, "times")
     tmp.spawn(_torch_worker, args=(args.sites, hidden, batch, args.pairs, port, out_path),
@@ -453,6 +533,8 @@ def main(argv=None):
     out += table(model_name, rows)
     if args.ablate:
       out += ablations(args, model_name, next(r["ms"] for r in rows if r["method"] == "allreduce"))
+    if model_name == "mlp" and args.device == "cpu" and args.processes:
+      out += process_rows(args)
     if model_name == "mlp" and args.device == "cpu" and args.torch != "off":
       if torch_available():
         out += torch_rows(args)

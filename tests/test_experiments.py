@@ -45,9 +45,13 @@ def test_bench_scale_quick_runs(tmp_path):
   out = tmp_path / "bench_scale.md"
   _run(["experiments/bench_scale.py", "--quick", "--models", "mlp", "--methods",
         "allreduce,qsgd:16,powersgd:4,accordion(powersgd:4,powersgd:1)", "--pairs", "2",
-        "--ablate", "--out", str(out)], tmp_path)
+        "--ablate", "--processes", "--torch", "off", "--out", str(out)], tmp_path)
   text = out.read_text()
   assert text.startswith("Command: `python experiments/bench_scale.py --quick")
+  # the same methods again, each site its own process (gloo over 127.0.0.1)
+  layout = text.split("#### dadjax on the MLP in the same layout (2 processes")[1]
+  for method in ("allreduce", "qsgd:16", "powersgd:4"):
+    assert f"| `{method}` | " in layout
   assert "Load before: `" in text and "Load after: `" in text
   for method in ("allreduce", "qsgd:16", "powersgd:4", "accordion(powersgd:4,powersgd:1)"):
     assert f"| `{method}` | " in text
