@@ -266,6 +266,26 @@ def test_per_device_memory_follows_the_sharding():
   assert p_tp < p_rep / 2
 
 
+@pytest.mark.parametrize("inner", [{"replica": 4}, {"fsdp": 2, "model": 2}])
+def test_state_that_mirrors_no_parameter_is_split_over_the_site(inner):
+  """PowerSGD's memories and Q factors, stacked per same-shape group, mirror no parameter:
+  those of at least SPREAD_MIN_ENTRIES entries are split over the site's devices (ZeRO-1),
+  and training is unchanged."""
+  from dadjax.parallel._site_mesh import SPREAD_MIN_ENTRIES  # pylint: disable=g-import-not-at-top
+  model = MLP(hidden=(128, 128, 128), num_classes=8)
+  ts, state, _ = _train("powersgd:2", dadjax.make_mesh(sites=2, inner=inner), model=model,
+                        shard_params=True)
+  ref_ts, ref_state, _ = _train("powersgd:2", dadjax.make_mesh(2), model=model)
+  chex.assert_trees_all_close(ts.params(state), ref_ts.params(ref_state), atol=1e-5, rtol=1e-4)
+  method_state = [x for x in jax.tree.leaves(state.opt_state)
+                  if x.size // 2 >= SPREAD_MIN_ENTRIES]
+  assert method_state  # the stacked (2, 128, 128) memory and more
+  for x in method_state:
+    assert x.addressable_shards[0].data.nbytes == x.nbytes // 2 // 4, (x.shape, x.sharding)
+  # with the momentum split like its parameters, a device holds under a third of a site's state
+  assert _device_bytes(state.opt_state) < _device_bytes(ref_state.opt_state) / 3
+
+
 def test_whole_tree_optax_transformations_train_on_sharded_parameters():
   """What the hand-written FSDP refused (each device saw a slice) equals the replicated run."""
   for opt in (lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1)),

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dadjax.parallel._layout import mirror_specs, param_layout, strip_site_axis
+from dadjax.parallel._layout import mirror_specs, param_layout, strip_site_axis, with_fsdp
 from dadjax.parallel._mesh import make_mesh
 from dadjax.parallel._rows import put_site_rows
 from dadjax.parallel._state import unstack_shapes
+
+# A method's own state leaf (one that mirrors no parameter) with fewer entries stays whole on
+# every device of a site: splitting 16 KiB saves nothing an in-site all-gather would not cost.
+SPREAD_MIN_ENTRIES = 4096
 
 # site program factory: () -> (state, batch) -> (state, metrics)
 Build = Callable[[], Callable]
@@ -167,8 +172,11 @@ class Mesh:
     Every leaf is split over the sites on its leading axis. A parameter
     keeps its in-site spec after it (:meth:`param_specs_of`), and so does
     each optimizer-state leaf that mirrors it
-    (:func:`~dadjax.parallel._layout.mirror_specs`); every other leaf
-    (counters, ledgers) is whole on every device of a site.
+    (:func:`~dadjax.parallel._layout.mirror_specs`); every other leaf of at
+    least :data:`SPREAD_MIN_ENTRIES` entries (PowerSGD's stacked memories and
+    Q factors, a method's own buffers) is split over the in-site axes along
+    its largest dimension they divide (:meth:`spread_spec`, ZeRO-1 style),
+    and the rest (counters, ledgers, keys) are whole on every device of a site.
     """
     site = P(self.axis_name)
     if not hasattr(state, "params"):
@@ -178,12 +186,24 @@ class Mesh:
     stacked = lambda s: P(self.axis_name, *s)
     params = jax.tree.map(stacked, inner, is_leaf=lambda x: isinstance(x, P))
     mirrored = lambda tree: jax.tree.map(
-        stacked, mirror_specs(unstack_shapes(tree), one_site, inner, lambda _: P()),
+        stacked, mirror_specs(unstack_shapes(tree), one_site, inner, self.spread_spec),
         is_leaf=lambda x: isinstance(x, P))
     fields = {f: jax.tree.map(lambda _: site, getattr(state, f)) for f in type(state)._fields}
     fields.update(params=params, opt_state=mirrored(state.opt_state),
                   stage_state=mirrored(state.stage_state))
     return type(state)(**fields)
+
+  def spread_spec(self, leaf: Any) -> P:
+    """The in-site spec of one site's state leaf that mirrors no parameter.
+
+    Split over every in-site axis along the largest dimension their combined
+    size divides (:func:`~dadjax.parallel._layout.with_fsdp`); whole when it
+    has fewer than :data:`SPREAD_MIN_ENTRIES` entries or no such dimension.
+    """
+    shape = tuple(np.shape(leaf))
+    if math.prod(shape) < SPREAD_MIN_ENTRIES:
+      return P()
+    return with_fsdp(P(), shape, dict(self.mesh.shape), self.inner)
 
   def place(self, tree: Any, specs: Any = None) -> Any:
     """A site-stacked tree placed by ``specs`` (default: split over the sites)."""

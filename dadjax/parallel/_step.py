@@ -124,8 +124,10 @@ class TrainStep:
     keeps its in-site spec (the model's metadata, ``param_specs``, or FSDP
     with ``shard_params``: :mod:`dadjax.parallel._layout`), and so does each
     optimizer-state leaf whose key path ends with that parameter's path and
-    whose shape is the parameter's; every other leaf (counters, ledgers) is
-    whole on every device of a site.
+    whose shape is the parameter's; every other leaf of at least 4,096
+    entries (a method's own buffers, e.g. PowerSGD's stacked memories) is
+    split over the site's devices (:meth:`dadjax.parallel.Mesh.spread_spec`),
+    and the rest (counters, ledgers) are whole on every device of a site.
     """
     return self.placement.state_specs(state)
 
