@@ -120,14 +120,12 @@ class TrainStep:
   def state_specs(self, state: TrainState) -> Any:
     """The ``PartitionSpec`` of every leaf of a site-stacked state (shard_map backend).
 
-    Every leaf is split over the sites on its leading axis. A parameter then
-    keeps its in-site spec (the model's metadata, ``param_specs``, or FSDP
-    with ``shard_params``: :mod:`dadjax.parallel._layout`), and so does each
-    optimizer-state leaf whose key path ends with that parameter's path and
-    whose shape is the parameter's; every other leaf of at least 4,096
-    entries (a method's own buffers, e.g. PowerSGD's stacked memories) is
-    split over the site's devices (:meth:`dadjax.parallel.Mesh.spread_spec`),
-    and the rest (counters, ledgers) are whole on every device of a site.
+    Every leaf is split over the sites on its leading axis. A parameter keeps
+    its in-site spec (model metadata, ``param_specs`` or ``shard_params``:
+    :mod:`dadjax.parallel._layout`), as does each optimizer-state leaf of its
+    path and shape; other leaves of >= 4,096 entries (PowerSGD's memories)
+    are split over the site (:meth:`dadjax.parallel.Mesh.spread_spec`), and
+    the rest (counters, ledgers) are whole on every device of a site.
     """
     return self.placement.state_specs(state)
 
