@@ -25,7 +25,11 @@ synchronization step) and the modeled communication time; with
 vmap-simulated sites latency is charged per recorded collective call.
 Reported over ``--seeds`` (mean ± std): final test accuracy, and the steps,
 cumulative wire bits per site and modeled time at the first evaluation
-reaching ``--target`` (:func:`dadjax.run.to_target`).
+reaching ``--target`` (:func:`dadjax.run.to_target`), the time also at each
+of ``--also-bandwidths`` (default 10 Gbit/s: :func:`at_bandwidths`).
+
+Every run's rows are kept in ``<out>/<name>.json``; ``--from-json`` renders
+the table again from them (another ``--target``) without training.
 
 Usage (from the repository root)::
 
@@ -34,12 +38,14 @@ Usage (from the repository root)::
   .venv/bin/python experiments/local.py --workload fashion_mlp   # a real workload (its model,
       # data, optimizer, steps and target; DiLoCo H in 10,50; --partition non_iid)
 
-Writes ``<out>/local.md`` (tables + the exact command) and ``<out>/local.png``.
+Writes ``<out>/local.md`` (tables + the exact command), ``<out>/local.png`` and
+``<out>/local.json`` (every run's metrics rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -51,7 +57,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 harness.host_devices(8)
-from dadjax.run import Config, train  # noqa: E402  pylint: disable=g-import-not-at-top
+from dadjax.comm import report  # noqa: E402  pylint: disable=g-import-not-at-top
+from dadjax.run import Config, network_model, train  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import workloads  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -109,12 +116,35 @@ def config_for(args, spec: str, seed: int) -> Config:
                    **overrides})
 
 
+def seconds_column(bandwidth: float) -> str:
+  return f"modeled_comm_s_at_{bandwidth:g}"
+
+
+def at_bandwidths(run, bandwidths) -> list[dict]:
+  """``run.history`` with a ``modeled_comm_s_at_<bandwidth>`` column per extra bandwidth.
+
+  The run's rows hold the modeled time at its Config's bandwidth only. The
+  final state's ledger, read out at both bandwidths (:func:`dadjax.comm.report`,
+  latency per recorded call as the vmap rows are), gives the ratio of the
+  two mean step times; each row's cumulative time is scaled by it. Exact
+  while a method's traffic per step does not change over the run (every
+  method here; a local-update method's evaluations fall on synchronizations).
+  """
+  config = run.config
+  base = report(run.state, network_model(config)).modeled_comm_s_per_step
+  ratios = {b: report(run.state, network_model(dataclasses.replace(config, bandwidth=b)))
+            .modeled_comm_s_per_step / base if base else 1.0 for b in bandwidths}
+  return [{**row, **{seconds_column(b): row["modeled_comm_s"] * r for b, r in ratios.items()}}
+          for row in run.history]
+
+
 def run_one(args, spec: str, seed: int) -> dict:
-  """One :func:`dadjax.run.train` run: its rows (the workload's metric added) and wall time."""
+  """One :func:`dadjax.run.train` run: its rows (the workload's metric and the times at
+  ``--also-bandwidths`` added) and wall time."""
   t0 = time.perf_counter()
   run = train(config_for(args, spec, seed), progress=False)
-  return {"rows": workloads.with_metric(run.history, args.metric),
-          "wall_s": time.perf_counter() - t0}
+  rows = at_bandwidths(run, args.also_bandwidths)
+  return {"rows": workloads.with_metric(rows, args.metric), "wall_s": time.perf_counter() - t0}
 
 
 def table(results, args) -> str:
@@ -124,16 +154,21 @@ def table(results, args) -> str:
   rows = []
   for (label, spec), runs in results.items():
     finals = [r["rows"][-1] for r in runs]
+    histories = [r["rows"] for r in runs]
     mean = lambda key, fmt="{:.3g}": fmt.format(np.mean([f[key] for f in finals]))  # noqa: E731
+    also = [harness.to_target_cells(histories, metric, t, seconds=seconds_column(b))[2]
+            if seconds_column(b) in finals[0] else "not measured" for b in args.also_bandwidths]
     rows.append([label, f"`{spec}`", harness.mean_std([f[metric] for f in finals], "{:.3f}",
                                                       "{:.3f}"),
                  mean("wire_bits_per_step", "{:,.0f}"), mean("peak_comm_s_per_step"),
                  mean("total_wire_bits"), mean("modeled_comm_s"),
-                 *harness.to_target_cells([r["rows"] for r in runs], metric, t),
+                 *harness.to_target_cells(histories, metric, t), *also,
                  f"{np.mean([r['wall_s'] for r in runs]):.1f}"])
   return harness.table(["method", "spec", name, "wire bits/step/site", "peak comm s/step",
                         "total wire bits/site", "modeled comm s", f"steps to {t}",
-                        f"wire bits to {t}", f"modeled s to {t}", "wall s/run"], rows)
+                        f"wire bits to {t}", f"modeled s to {t}",
+                        *(f"modeled s to {t} at {b:g} bit/s" for b in args.also_bandwidths),
+                        "wall s/run"], rows)
 
 
 def plot(results, path, metric: str = "accuracy") -> None:
@@ -220,6 +255,12 @@ def main(argv=None) -> int:
                       help="default 0.9 (a workload's own)")
   parser.add_argument("--bandwidth", type=float, default=1e9, help="bits/s between sites")
   parser.add_argument("--latency", type=float, default=1e-3, help="seconds per message")
+  parser.add_argument("--also-bandwidths", default="1e10",
+                      help="comma-separated further bandwidths (bits/s) of the modeled time to "
+                      "the target ('' for none)")
+  parser.add_argument("--from-json", default=None,
+                      help="render the table from a previous run's <name>.json instead of "
+                      "training (its command and wall time are kept)")
   parser.add_argument("--methods", default=None,
                       help="';'-separated method specs to run instead of the default list, "
                       "each SPEC[|FIELD=VALUE...] with Config overrides (demo:lr=0.001|momentum=0)")
@@ -227,7 +268,10 @@ def main(argv=None) -> int:
                       "instead of --dataset: its model, data, sites, optimizer, steps and target",
                       quick="a smoke run (seconds per method)")
   args = parser.parse_args(argv)
+  args.also_bandwidths = [float(b) for b in args.also_bandwidths.split(",") if b.strip()]
   resolve_defaults(args, parser)
+  if args.from_json:
+    return render_saved(args)
   seeds = harness.seeds(args.seeds)
   every = [int(h) for h in args.every.split(",")]
   methods = methods_for(every)
@@ -246,9 +290,11 @@ def main(argv=None) -> int:
 
   def done(results):  # written after every run, so a long grid keeps what it has measured
     by_method = {method: runs for (_, method), runs in results.items()}
-    written["text"] = report_text(args, by_method, seeds, command, time.perf_counter() - t0,
+    seconds = time.perf_counter() - t0
+    written["text"] = report_text(args, by_method, seeds, command, seconds,
                                   len(methods) * len(seeds))
     (out / f"{args.name}.md").write_text(written["text"])
+    save_runs(out / f"{args.name}.json", by_method, command, seconds, len(methods) * len(seeds))
     (label, _), runs = list(by_method.items())[-1]
     if len(runs) == len(seeds):
       acc = np.mean([r["rows"][-1][f"test_{args.metric}"] for r in runs])
@@ -260,6 +306,27 @@ def main(argv=None) -> int:
   plot({method: runs for (_, method), runs in results.items()}, out / f"{args.name}.png",
        args.metric)
   print(written["text"])
+  return 0
+
+
+def save_runs(path, by_method: dict, command: str, seconds: float, planned: int) -> None:
+  """Every run's rows and wall time, by ``(label, spec)``, for ``--from-json``."""
+  path.write_text(json.dumps({
+      "command": command, "seconds": seconds, "planned": planned,
+      "methods": [{"label": label, "spec": spec, "runs": runs}
+                  for (label, spec), runs in by_method.items()]}, default=float))
+
+
+def render_saved(args) -> int:
+  """``--from-json``: the table of a saved run at this invocation's ``--target``."""
+  saved = json.loads(pathlib.Path(args.from_json).read_text())
+  by_method = {(m["label"], m["spec"]): m["runs"] for m in saved["methods"]}
+  seeds = harness.seeds(args.seeds)
+  text = report_text(args, by_method, seeds, saved["command"], saved["seconds"],
+                     saved["planned"])
+  out = pathlib.Path(args.out)
+  (out / f"{args.name}.md").write_text(text)
+  print(text)
   return 0
 
 

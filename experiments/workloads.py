@@ -149,9 +149,9 @@ WORKLOADS = {
     "text_gpt_cpu": Workload(
         "text_gpt_cpu",
         {**_TEXT, "dataset_kwargs": {"seq_len": 64, "max_eval_windows": 1024},
-         "model": "gpt_cpu", "model_kwargs": {}, "steps": 300, "eval_every": 100},
+         "model": "gpt_cpu", "model_kwargs": {}, "steps": 300, "eval_every": 50},
         {**_TEXT_QUICK, "model": "gpt_tiny", "model_kwargs": {}},
-        "bits_per_byte", 3.0, 6.0, {"partition": "by_class"},
+        "bits_per_byte", 3.5, 6.0, {"partition": "by_class"},
         "Python 3.11 docs (bytes), GPT decoder gpt_cpu (8 x 256, 6.4M parameters)"),
     "text_lm_512": Workload(
         "text_lm_512",
