@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     written["text"] = report_text(args, by_method, seeds, command, seconds,
                                   len(methods) * len(seeds))
     (out / f"{args.name}.md").write_text(written["text"])
-    save_runs(out / f"{args.name}.json", by_method, command, seconds, len(methods) * len(seeds))
+    save_runs(out / f"{args.name}.json", by_method, seeds, command, seconds,
+              len(methods) * len(seeds))
     (label, _), runs = list(by_method.items())[-1]
     if len(runs) == len(seeds):
       acc = np.mean([r["rows"][-1][f"test_{args.metric}"] for r in runs])
@@ -309,10 +310,11 @@ def main(argv=None) -> int:
   return 0
 
 
-def save_runs(path, by_method: dict, command: str, seconds: float, planned: int) -> None:
+def save_runs(path, by_method: dict, seeds: list[int], command: str, seconds: float,
+              planned: int) -> None:
   """Every run's rows and wall time, by ``(label, spec)``, for ``--from-json``."""
   path.write_text(json.dumps({
-      "command": command, "seconds": seconds, "planned": planned,
+      "command": command, "seconds": seconds, "planned": planned, "seeds": seeds,
       "methods": [{"label": label, "spec": spec, "runs": runs}
                   for (label, spec), runs in by_method.items()]}, default=float))
 
@@ -321,7 +323,7 @@ def render_saved(args) -> int:
   """``--from-json``: the table of a saved run at this invocation's ``--target``."""
   saved = json.loads(pathlib.Path(args.from_json).read_text())
   by_method = {(m["label"], m["spec"]): m["runs"] for m in saved["methods"]}
-  seeds = harness.seeds(args.seeds)
+  seeds = saved.get("seeds", harness.seeds(args.seeds))
   text = report_text(args, by_method, seeds, saved["command"], saved["seconds"],
                      saved["planned"])
   out = pathlib.Path(args.out)

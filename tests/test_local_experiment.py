@@ -51,7 +51,7 @@ def test_saved_runs_render_again_at_another_target(tmp_path, capsys):
   assert local.main([*common, "--target", "0.99", "--also-bandwidths", "1e8,1e11"]) == 0
   saved = json.loads((tmp_path / "local.json").read_text())
   (entry,) = saved["methods"]
-  assert entry["spec"] == "allreduce" and len(entry["runs"]) == 1
+  assert entry["spec"] == "allreduce" and len(entry["runs"]) == 1 and saved["seeds"] == [0]
   history = entry["runs"][0]["rows"]
   # a slower link takes longer for the same traffic
   assert all(r["modeled_comm_s_at_1e+08"] > r["modeled_comm_s_at_1e+11"] for r in history)
