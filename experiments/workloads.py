@@ -7,9 +7,11 @@
   sources, decoder-only transformer (2 layers, d_model 128, 64-byte context).
 * ``text_lstm``: the same text, a one-layer LSTM LM (hidden 256; Accordion's
   WikiText-2 setting at byte level).
-* ``text_gpt_tiny`` / ``text_gpt_cpu``: the same text, the GPT decoder of
-  :mod:`dadjax.models` (``gpt_tiny``: 2 x 64; ``gpt_cpu``: 8 x 256, 6.4M
-  parameters, about 15 minutes for 300 steps of 8 sites on 2 cores).
+* ``text_gpt_tiny`` / ``text_gpt_cpu`` / ``text_gpt_125m``: the same text,
+  the GPT decoder of :mod:`dadjax.models` (``gpt_tiny``: 2 x 64; ``gpt_cpu``:
+  8 x 256, 6.4M parameters, about 12 minutes for 300 steps of 8 sites on 2
+  cores; ``gpt_125m``: 12 x 768, 85M parameters with the byte vocabulary, one
+  GPU).
 
 The defaults are sized for 2 CPU cores; ``--quick`` shrinks data, widths and
 steps so that a script's whole grid finishes in minutes (the slow-marked
@@ -153,6 +155,16 @@ WORKLOADS = {
         {**_TEXT_QUICK, "model": "gpt_tiny", "model_kwargs": {}},
         "bits_per_byte", 3.5, 6.0, {"partition": "by_class"},
         "Python 3.11 docs (bytes), GPT decoder gpt_cpu (8 x 256, 6.4M parameters)"),
+    # gpt_125m's blocks on the byte corpus (vocabulary 256: 85M parameters; bf16 compute, fp32
+    # parameters), as experiments/configs/gpt_gpu.toml: one GPU (experiments/device_run.sh).
+    "text_gpt_125m": Workload(
+        "text_gpt_125m",
+        {**_TEXT, "dataset_kwargs": {"seq_len": 256, "max_eval_windows": 512},
+         "model": "gpt_125m", "model_kwargs": {}, "optimizer": "adamw(weight_decay=0.1)",
+         "lr": 6e-4, "steps": 150, "eval_every": 50},
+        {**_TEXT_QUICK, "model": "gpt_tiny", "model_kwargs": {}},
+        "bits_per_byte", 3.5, 6.0, {"partition": "by_class"},
+        "Python 3.11 docs (bytes), GPT decoder gpt_125m (12 x 768, 85M parameters)"),
     "text_lm_512": Workload(
         "text_lm_512",
         {**_TEXT, "dataset_kwargs": {"seq_len": 128, "max_eval_windows": 2048},

@@ -1,4 +1,4 @@
-"""Experiment scripts still run end to end (small settings; marked slow)."""
+"""Experiment scripts still run end to end (small settings; marked slow) and check their arguments."""
 import os
 import pathlib
 import re
@@ -173,8 +173,21 @@ def test_device_run_tiny_on_cpu(tmp_path):
     pytest.skip("needs the Fashion-MNIST and Python documentation packages (make data)")
   env = {**os.environ, "OUT": str(tmp_path / "device"), "PYTHON": sys.executable,
          "DADJAX_FASHION_MNIST": workloads.FASHION_DIR, "DADJAX_TEXT_GLOB": workloads.TEXT_GLOB}
-  proc = subprocess.run(["bash", "experiments/device_run.sh", "--tiny"], cwd=ROOT, env=env,
+  proc = subprocess.run(["bash", "experiments/device_run.sh", "--tiny", "all"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=3000)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-  for name in ("dad_device.md", "dataquant_device.md", "scaling_device.md", "time.txt"):
+  for name in ("gpt_125m_device.md", "time_gpt.txt", "dad_device.md", "dataquant_device.md",
+               "scaling_device.md", "time.txt"):
     assert (tmp_path / "device" / name).exists(), name
+  # the GPT part at gpt_tiny: every method of the comparison has its row
+  table = (tmp_path / "device" / "gpt_125m_device.md").read_text()
+  for spec in ("allreduce", "bf16", "powersgd:4", "ef_topk:0.01", "dad", "rank_dad:4",
+               "diloco:10", "diloco:50", "diloco:10:compress=qsgd(7)"):
+    assert f"| `{spec}` |" in table, spec
+
+
+def test_device_run_names_its_parts():
+  proc = subprocess.run(["bash", "experiments/device_run.sh", "--tiny", "gpu"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert "PART must be gpt, earlier or all, got 'gpu'" in proc.stdout
