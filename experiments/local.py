@@ -271,7 +271,8 @@ def main(argv=None) -> int:
   args.also_bandwidths = [float(b) for b in args.also_bandwidths.split(",") if b.strip()]
   resolve_defaults(args, parser)
   if args.from_json:
-    return render_saved(args)
+    return render_saved(args, harness.command_line("local.py", sys.argv[1:] if argv is None
+                                                   else argv))
   seeds = harness.seeds(args.seeds)
   every = [int(h) for h in args.every.split(",")]
   methods = methods_for(every)
@@ -319,13 +320,15 @@ def save_runs(path, by_method: dict, seeds: list[int], command: str, seconds: fl
                   for (label, spec), runs in by_method.items()]}, default=float))
 
 
-def render_saved(args) -> int:
-  """``--from-json``: the table of a saved run at this invocation's ``--target``."""
+def render_saved(args, command: str) -> int:
+  """``--from-json``: the table of a saved run at this invocation's ``--target``; ``command``
+  (this invocation) is named under the table."""
   saved = json.loads(pathlib.Path(args.from_json).read_text())
   by_method = {(m["label"], m["spec"]): m["runs"] for m in saved["methods"]}
   seeds = saved.get("seeds", harness.seeds(args.seeds))
   text = report_text(args, by_method, seeds, saved["command"], saved["seconds"],
                      saved["planned"])
+  text += f"\nRendered again from the saved runs, without training: `{command}`.\n"
   out = pathlib.Path(args.out)
   (out / f"{args.name}.md").write_text(text)
   print(text)

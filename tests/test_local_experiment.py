@@ -65,5 +65,6 @@ def test_saved_runs_render_again_at_another_target(tmp_path, capsys):
   assert cells[7] == f"{history[0]['step']}"
   assert cells[10] == f"{history[0]['modeled_comm_s_at_1e+08']:.3g}"
   assert cells[11] == f"{history[0]['modeled_comm_s_at_1e+11']:.3g}"
-  assert saved["command"] in (tmp_path / "again.md").read_text()
+  again = (tmp_path / "again.md").read_text()
+  assert saved["command"] in again and "Rendered again from the saved runs" in again
   capsys.readouterr()
