@@ -270,9 +270,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   args.also_bandwidths = [float(b) for b in args.also_bandwidths.split(",") if b.strip()]
   resolve_defaults(args, parser)
+  command = harness.command_line("local.py", sys.argv[1:] if argv is None else argv)
   if args.from_json:
-    return render_saved(args, harness.command_line("local.py", sys.argv[1:] if argv is None
-                                                   else argv))
+    return render_saved(args, command)
   seeds = harness.seeds(args.seeds)
   every = [int(h) for h in args.every.split(",")]
   methods = methods_for(every)
@@ -286,17 +286,15 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  command = harness.command_line("local.py", sys.argv[1:] if argv is None else argv)
+  planned = len(methods) * len(seeds)
   written = {}
 
   def done(results):  # written after every run, so a long grid keeps what it has measured
     by_method = {method: runs for (_, method), runs in results.items()}
     seconds = time.perf_counter() - t0
-    written["text"] = report_text(args, by_method, seeds, command, seconds,
-                                  len(methods) * len(seeds))
+    written["text"] = report_text(args, by_method, seeds, command, seconds, planned)
     (out / f"{args.name}.md").write_text(written["text"])
-    save_runs(out / f"{args.name}.json", by_method, seeds, command, seconds,
-              len(methods) * len(seeds))
+    save_runs(out / f"{args.name}.json", by_method, seeds, command, seconds, planned)
     (label, _), runs = list(by_method.items())[-1]
     if len(runs) == len(seeds):
       acc = np.mean([r["rows"][-1][f"test_{args.metric}"] for r in runs])
