@@ -29,7 +29,8 @@ reaching ``--target`` (:func:`dadjax.run.to_target`), the time also at each
 of ``--also-bandwidths`` (default 10 Gbit/s: :func:`at_bandwidths`).
 
 Every run's rows are kept in ``<out>/<name>.json``; ``--from-json`` renders
-the table again from them (another ``--target``) without training.
+the table again from them (another ``--target``) without training, with the
+saved run's own options (its workload and metric) under this invocation's.
 
 Usage (from the repository root)::
 
@@ -48,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shlex
 import sys
 import time
 
@@ -267,10 +269,14 @@ def main(argv=None) -> int:
   harness.common_args(parser, "local", f"a real workload ({', '.join(workloads.WORKLOADS)}) "
                       "instead of --dataset: its model, data, sites, optimizer, steps and target",
                       quick="a smoke run (seconds per method)")
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
+  if args.from_json:  # the saved run's settings (workload, metric, steps), then this invocation's
+    saved_argv = shlex.split(json.loads(pathlib.Path(args.from_json).read_text())["command"])[2:]
+    args = parser.parse_args(saved_argv + argv)
   args.also_bandwidths = [float(b) for b in args.also_bandwidths.split(",") if b.strip()]
   resolve_defaults(args, parser)
-  command = harness.command_line("local.py", sys.argv[1:] if argv is None else argv)
+  command = harness.command_line("local.py", argv)
   if args.from_json:
     return render_saved(args, command)
   seeds = harness.seeds(args.seeds)

@@ -56,8 +56,9 @@ def test_saved_runs_render_again_at_another_target(tmp_path, capsys):
   # a slower link takes longer for the same traffic
   assert all(r["modeled_comm_s_at_1e+08"] > r["modeled_comm_s_at_1e+11"] for r in history)
   first = history[0]["test_accuracy"]
-  assert local.main([*common, "--from-json", str(tmp_path / "local.json"), "--name", "again",
-                     "--target", str(first), "--also-bandwidths", "1e8,1e11"]) == 0
+  # only the render's own options: the rest (--quick's steps, the methods) come from the saved run
+  assert local.main(["--from-json", str(tmp_path / "local.json"), "--out", str(tmp_path),
+                     "--name", "again", "--target", str(first), "--also-bandwidths", "1e8,1e11"]) == 0
   row = next(line for line in (tmp_path / "again.md").read_text().splitlines()
              if line.startswith("| fp32 all-reduce |"))
   cells = [c.strip() for c in row.strip("|").split("|")]
@@ -67,4 +68,5 @@ def test_saved_runs_render_again_at_another_target(tmp_path, capsys):
   assert cells[11] == f"{history[0]['modeled_comm_s_at_1e+11']:.3g}"
   again = (tmp_path / "again.md").read_text()
   assert saved["command"] in again and "Rendered again from the saved runs" in again
+  assert f"{history[-1]['step']} steps for every method" in again
   capsys.readouterr()
