@@ -14,14 +14,14 @@ BIN := $(VENV)/bin
 $(BIN)/dadjax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,tpu]"
 	touch $(BIN)/dadjax
 
 install: $(BIN)/dadjax
 
 # The docs extra (Sphinx, MyST-NB, the theme), installed once per pyproject.toml change.
 $(VENV)/.docs-installed: $(BIN)/dadjax
-	$(BIN)/pip install --quiet -e ".[test,docs]"
+	$(BIN)/pip install --quiet -e ".[test,tpu,docs]"
 	touch $(VENV)/.docs-installed
 
 docs: $(VENV)/.docs-installed

@@ -24,7 +24,8 @@
   :func:`mean_over_sites`, :func:`gather_sites`.
 - **The ledger**: :func:`ledger_init`, :func:`ledger_record`,
   :func:`tree_dense_bits`, :func:`find_comm_stats`, :data:`FP32_BITS`.
-- **Packing**: :func:`pack_bits`, :func:`unpack_bits`, :func:`packed_words`,
+- **Packing**: :func:`pack_bits`, :func:`unpack_bits`, :func:`pack_rows` /
+  :func:`unpack_rows` (per row, a sharding kept), :func:`packed_words`,
   :func:`code_bits`.
 - **Keys**: :class:`Keys`, :func:`step_keys`, :func:`as_keys`.
 - **Exchange helpers** for compressors: :func:`leafwise`, :func:`exchange`,
@@ -49,7 +50,8 @@ written against them composes with the built-in ones.
 from dadjax._core.bits import (Bits, bits_add, bits_const, bits_from_count, bits_reduce,
                                bits_sum, bits_to_int, bits_zero, host_array, tree_bits)
 from dadjax._core.linalg import orthogonalize
-from dadjax._core.packing import code_bits, pack_bits, packed_words, unpack_bits
+from dadjax._core.packing import (code_bits, pack_bits, pack_rows, packed_words, unpack_bits,
+                                  unpack_rows)
 from dadjax._core.shards import (leaf_shard, require_whole_leaves, shard_axes, slice_uniform,
                                  whole_max, whole_size, whole_sum)
 from dadjax.comm import (FP32_BITS, NO_TRAFFIC, Traffic, axis_size, find_comm_stats,
@@ -91,7 +93,7 @@ __all__ = [
     # the ledger
     "FP32_BITS", "find_comm_stats", "ledger_init", "ledger_record", "tree_dense_bits",
     # packing
-    "code_bits", "pack_bits", "packed_words", "unpack_bits",
+    "code_bits", "pack_bits", "packed_words", "unpack_bits", "pack_rows", "unpack_rows",
     # keys
     "Keys", "as_keys", "step_keys",
     # exchange helpers and payloads

@@ -25,6 +25,7 @@ SECTIONS = [
     ("dadjax.adaptive", "Accordion: critical-regime detection and switching"),
     ("dadjax.local", "local updates: local SGD, DiLoCo, Streaming DiLoCo, SparseLoCo, DeMo"),
     ("dadjax.parallel", "meshes and the SPMD train step"),
+    ("dadjax.pod", "a step compiled by the TPU compiler for a named topology, and its report"),
     ("dadjax.nnx", "Flax NNX models in the train step"),
     ("dadjax.data", "data sets, site partitions, the Grain pipeline per host"),
     ("dadjax.models", "Flax models with a swappable dense factory"),

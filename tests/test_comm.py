@@ -65,7 +65,7 @@ def test_allreduce_ledger_equals_hand_computed_fp32_size():
   summary = dadjax.comm_stats(state)
   assert summary.bits_per_step == (15 + 5 + 8) * 32
   assert summary.dense_bits_per_step == (15 + 5 + 8) * 32
-  assert summary.compression_ratio == 1.0
+  assert dadjax.comm.report(summary, dadjax.NetworkModel()).payload_ratio == 1.0
 
 
 def test_comm_stats_reads_through_chain_multisteps_and_partition():
@@ -169,15 +169,18 @@ def test_comm_summary_wire_bits_and_the_report_s_ratios():
   assert s.wire_bits(4, "ring") == 1500 + 1500
   assert s.fp32_wire_bits(4, "ring") == 4800 and s.bf16_wire_bits(4, "ring") == 2400
   assert s.wire_bits(4, "ps") == 2000 + 2000
-  assert s.compression_ratio == pytest.approx(3200 / 1500)  # the payload ratio
   # the ratios are the report's only (the ledger keeps counts)
   assert not hasattr(s, "wire_ratio") and not hasattr(s, "headline")
+  assert not hasattr(s, "compression_ratio")
   at4 = dadjax.comm.report(s, dadjax.NetworkModel(num_sites=4))
+  # the payload ratio: an fp32 all-reduce's payload bits over the bits sent, at any N
+  assert at4.payload_ratio == pytest.approx(3200 / (1000 + 500))
   assert at4.setting == "ring, N=4" and at4.wire_ratio_fp32 == pytest.approx(1.6)
   assert at4.wire_ratio_bf16 == pytest.approx(0.8)
   assert at4.dense_bits_per_step == 3200 and at4.step_bits_per_step == 0  # not a train state
   # An all-gather's wire bits grow with N: at N = 64 the method sends more than fp32.
-  assert dadjax.comm.report(s, dadjax.NetworkModel(num_sites=64)).wire_ratio_fp32 < 1
+  at64 = dadjax.comm.report(s, dadjax.NetworkModel(num_sites=64))
+  assert at64.wire_ratio_fp32 < 1 and at64.payload_ratio == at4.payload_ratio
 
 
 def test_step_time_charges_latency_per_compiled_op():

@@ -439,7 +439,7 @@ _FORMULAS = {
     "qsgd:4": lambda shape, d: 32 + _packed(d, 1 + 3),  # levels 0..4 -> 3 bits + sign
     "qsgd:16": lambda shape, d: 32 + _packed(d, 1 + 5),  # levels 0..16 -> 5 bits + sign
     "terngrad": lambda shape, d: 32 + _packed(d, 2),
-    "sign": lambda shape, d: _packed(d + 1, 1),  # signs and the abstain bit
+    "sign": lambda shape, d: 32 + _packed(d, 1),  # the signs and a word for the abstain bit
     "scaled_sign": lambda shape, d: 32 + _packed(d, 1),
     "ef_scaled_sign": lambda shape, d: 32 + _packed(d, 1),
 }

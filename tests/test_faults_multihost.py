@@ -152,6 +152,25 @@ def test_sigkill_of_process_1_ends_process_0_with_the_lost_line(tmp_path, row):
   _assert_lost(errs[0], peer=1)
 
 
+@pytest.mark.slow  # 5 runs of two processes (about 2 min)
+def test_five_losses_of_process_1_each_end_process_0_with_the_line(tmp_path):
+  # Five tries, as a user would see them: SIGKILL of process 1 at a random step, two of them
+  # after freezing its worker (SIGSTOP) for longer than peer_timeout_s. Every time process 0
+  # must end within peer_timeout_s + 25 s with exit status 2 and the one documented line.
+  rng = random.Random(5)
+  for attempt in range(5):
+    pair = Pair(tmp_path / f"try{attempt}", 200)
+    pair.wait_for_row(1, rng.randrange(2, 8))
+    if attempt in (1, 3):  # a freeze first: the peer stops answering, then it dies
+      os.kill(pair.worker(1), signal.SIGSTOP)
+      time.sleep(PEER_TIMEOUT_S + 1)
+    took = _kill_and_watch(pair, 1)
+    errs = pair.wait(timeout=30)
+    assert pair.procs[0].returncode == 2, (attempt, errs[0][-3000:])
+    assert took < PEER_TIMEOUT_S + 25, (attempt, took)
+    _assert_lost(errs[0], peer=1)
+
+
 def test_a_collective_failing_on_the_lost_peer_ends_with_the_lost_line(tmp_path):
   # Before the fix: exit 1 and a traceback (train.py _check_finite -> host_array ->
   # JaxRuntimeError: ... Gloo AllGather failed: ... Connection closed by peer).

@@ -98,3 +98,22 @@ def test_the_in_site_layouts_page_is_what_its_command_writes(tmp_path):
   _load(script).main(argv + ["--out", str(tmp_path)])
   rows = _table((tmp_path / "fsdp.md").read_text())
   assert [_cells(r, (-1,)) for r in rows] == [_cells(r, (-1,)) for r in _table(page.read_text())]
+
+
+def test_the_pod_tables_in_results_are_the_saved_compiles(tmp_path):
+  # docs/results.md's "Compiled for the pod" tables and experiments/results/pod_compile_gpt.md
+  # are what the script renders from the saved compiles (no libtpu needed: nothing compiles).
+  names = ["pod_compile_gpt_125m", "pod_compile_gpt_1b"]
+  for name in names:
+    (tmp_path / f"{name}.json").write_text((RESULTS / f"{name}.json").read_text())
+  _load("experiments/pod_compile.py").main(
+      ["--from-json", "--name", ",".join(names), "--summary", "summary", "--out", str(tmp_path)])
+  rendered = (tmp_path / "summary.md").read_text()
+  assert rendered == (RESULTS / "pod_compile_gpt.md").read_text()
+  for name in names:
+    assert (tmp_path / f"{name}.md").read_text() == (RESULTS / f"{name}.md").read_text(), name
+  docs = (ROOT / "docs" / "results.md").read_text()
+  section = docs[docs.index("## Compiled for the pod"):]
+  section = section[:section.index("\n## ", 1)]
+  assert _table(section) == _table(rendered)
+  assert "**gpt_125m**" in section and "**gpt_1b**" in section

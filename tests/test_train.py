@@ -1,5 +1,7 @@
 """Training loop, checkpoints, config files and the CLI."""
+import io
 import json
+import sys
 
 import chex
 import numpy as np
@@ -48,6 +50,33 @@ def test_metrics_jsonl_is_written(tmp_path):
   assert rows[-1]["epoch"] == 6 / run.steps_per_epoch
   assert {"train_accuracy", "test_accuracy", "test_loss"} <= set(rows[-1])
   assert rows[-1]["modeled_comm_s"] > 0
+
+
+def test_progress_off_a_terminal_is_a_line_per_evaluation(capsys):
+  # captured stderr is not a terminal (a CI log, `| tee`): no bar frames, a line per row
+  run = train(Config(**{**SMALL, "steps": 5, "eval_every": 2}))
+  err = capsys.readouterr().err
+  assert "\r" not in err and "it/s" not in err
+  lines = [line for line in err.splitlines() if line.startswith("dadjax: allreduce step ")]
+  assert [row["step"] for row in run.history] == [2, 4, 5]
+  assert len(lines) == len(run.history)  # exactly one per evaluation interval
+  for line, row in zip(lines, run.history):
+    assert line.startswith(f"dadjax: allreduce step {row['step']}/5: loss {row['loss']:.4g}, ")
+    assert f"test accuracy {row['test_accuracy']:.4g}" in line and line.endswith(" s")
+  train(Config(**{**SMALL, "steps": 2, "eval_every": 2}), progress=False)
+  assert "dadjax: allreduce step" not in capsys.readouterr().err
+
+
+def test_progress_on_a_terminal_is_a_bar(monkeypatch):
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+  terminal = Terminal()
+  monkeypatch.setattr(sys, "stderr", terminal)
+  train(Config(**{**SMALL, "steps": 4, "eval_every": 2}))
+  out = terminal.getvalue()
+  assert "\r" in out and "allreduce" in out  # tqdm's frames, redrawn in place
+  assert "dadjax: allreduce step" not in out
 
 
 def test_training_learns_the_embedded_digits():

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["WORD_BITS", "code_bits", "packed_words", "pack_bits", "unpack_bits"]
+__all__ = ["WORD_BITS", "code_bits", "packed_words", "pack_bits", "unpack_bits", "pack_rows",
+           "unpack_rows", "leaf_rows", "pack_leaf", "unpack_leaf"]
 
 WORD_BITS = 32
 
@@ -121,3 +122,102 @@ def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
   low = w[:, word] >> shift
   high = jnp.where(spill, w[:, next_word] << high_shift, jnp.uint32(0))
   return ((low | high) & mask).reshape(-1)[:n]
+
+
+def _planes(bits: int) -> list[tuple[int, int]]:
+  """``(offset, width)`` of the power-of-two bit planes of a ``bits``-bit code (low bits first)."""
+  planes, offset = [], 0
+  for i in range(bits.bit_length()):
+    if bits >> i & 1:
+      planes.append((offset, 1 << i))
+      offset += 1 << i
+  return planes
+
+
+def _pack_divisor(codes: jax.Array, bits: int) -> jax.Array:
+  """Codes ``(..., groups, 32)`` of ``bits`` dividing 32: ``(..., groups, bits)`` words."""
+  per_word = WORD_BITS // bits
+  shifts = (np.arange(per_word) * bits).astype(np.uint32)
+  lead = codes.shape[:-1]
+  return jnp.sum(codes.reshape(*lead, bits, per_word) << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def _unpack_divisor(words: jax.Array, bits: int) -> jax.Array:
+  """Inverse of :func:`_pack_divisor`: ``(..., groups, bits)`` words -> ``(..., groups, 32)``."""
+  per_word = WORD_BITS // bits
+  shifts = (np.arange(per_word) * bits).astype(np.uint32)
+  codes = (words[..., None] >> shifts) & _mask(bits)
+  return codes.reshape(*words.shape[:-1], WORD_BITS)
+
+
+def pack_rows(codes: jax.Array, bits: int) -> jax.Array:
+  """Pack codes along the last axis only: ``(..., m)`` -> ``uint32 (..., packed_words(m, bits))``.
+
+  Every row (a position of the leading axes) is packed on its own, so a leaf
+  keeps its leading dimensions, and a sharding over any axis survives the
+  packing: each group of 32 codes becomes ``bits`` words in place, by
+  shifts and sums only (no flatten, gather or concatenation across
+  groups), which GSPMD partitions without moving data. Where ``bits``
+  divides 32 the words are :func:`pack_bits`'s of each row. Otherwise a
+  code is split into power-of-two bit planes (6 bits: its low 2 bits, then
+  its high 4), each packed as above into the group's words: the same
+  ``ceil(m / 32) * bits`` words per row as :func:`pack_bits`, in another
+  order. A 0-D ``codes`` is one row of one code.
+  """
+  _check_bits(bits)
+  codes = jnp.asarray(codes).astype(jnp.uint32)
+  *lead, m = codes.shape if codes.ndim else (1,)
+  codes = codes.reshape(*lead, m)
+  groups = -(-m // WORD_BITS)
+  pad = [(0, 0)] * len(lead) + [(0, groups * WORD_BITS - m)]
+  codes = jnp.pad(codes, pad).reshape(*lead, groups, WORD_BITS)
+  planes = [_pack_divisor((codes >> offset) & _mask(width), width)
+            for offset, width in _planes(bits)]
+  words = planes[0] if len(planes) == 1 else jnp.concatenate(planes, axis=-1)
+  return words.reshape(*lead, groups * bits)
+
+
+def unpack_rows(words: jax.Array, bits: int, m: int) -> jax.Array:
+  """Inverse of :func:`pack_rows`: ``uint32 (..., packed_words(m, bits))`` -> codes ``(..., m)``."""
+  _check_bits(bits)
+  groups = -(-m // WORD_BITS)
+  *lead, w = words.shape
+  if w != groups * bits:
+    raise ValueError(f"unpack_rows: expected {groups * bits} words per row for {m} codes of "
+                     f"{bits} bits, got {w}")
+  words = words.reshape(*lead, groups, bits)
+  codes, start = None, 0
+  for offset, width in _planes(bits):
+    part = _unpack_divisor(words[..., start:start + width], width) << offset
+    codes = part if codes is None else codes | part
+    start += width
+  return codes.reshape(*lead, groups * WORD_BITS)[..., :m]
+
+
+def leaf_rows(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+  """``(row shape, codes per row)`` a leaf of ``shape`` is packed in by :func:`pack_leaf`.
+
+  Along the last axis when it holds whole groups of 32 codes (rows: the
+  other axes), else as one flat row: either way exactly
+  ``packed_words(leaf size, bits)`` words, in a shape that keeps the leaf's
+  leading axes (and a sharding over any of its axes) when it can.
+  """
+  if len(shape) >= 2 and shape[-1] % WORD_BITS == 0:
+    return tuple(shape[:-1]), int(shape[-1])
+  return (), int(np.prod(shape, dtype=np.int64))
+
+
+def pack_leaf(codes: jax.Array, bits: int) -> jax.Array:
+  """Codes of a leaf's shape (after any leading batch axes ``batch``) packed per
+  :func:`leaf_rows`: ``uint32 batch + rows + (words,)``. Give ``codes`` without batch axes
+  unless :func:`unpack_leaf` gets the same ``shape``."""
+  rows, m = leaf_rows(np.shape(codes))
+  return pack_rows(jnp.reshape(codes, rows + (m,)), bits)
+
+
+def unpack_leaf(words: jax.Array, bits: int, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`pack_leaf` for a leaf of ``shape``; leading axes of ``words`` beyond
+  the leaf's rows (gathered sites) are kept: codes ``batch + shape``."""
+  rows, m = leaf_rows(tuple(shape))
+  batch = words.shape[:words.ndim - len(rows) - 1]
+  return unpack_rows(words, bits, m).reshape(batch + tuple(shape))

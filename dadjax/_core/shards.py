@@ -120,6 +120,8 @@ def slice_uniform(key: jax.Array, shape: tuple[int, ...], draw=None) -> jax.Arra
   draw = threefry_unit if draw is None else draw
   shard = leaf_shard()
   if shard is None:
+    if draw is threefry_unit:  # drawn in the leaf's shape: a sharded leaf's noise stays sharded
+      return jax.random.uniform(key, tuple(shape))  # (partitionable threefry: the flat draw's)
     return draw(key, math.prod(shape)).reshape(shape)
   n = jax.lax.axis_size(shard.axes)
   whole = tuple(s * n if i == shard.dim else s for i, s in enumerate(shape))

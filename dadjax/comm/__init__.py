@@ -34,7 +34,7 @@ from dadjax.comm._accumulate import AccumulateState, accumulate
 from dadjax.comm._collectives import AllReduceState, allreduce
 from dadjax.comm._cost import GLOO_TCP, HierarchicalNetwork, NetworkModel, TransportFit
 from dadjax.comm._hlo import (CollectiveOps, collective_ops, hlo_collectives, match_branches,
-                             taken_collectives)
+                             taken_collectives, type_bytes)
 from dadjax.comm._ledger import (
     FP32_BITS,
     CommStats,
@@ -59,7 +59,8 @@ from dadjax.comm._metered import (
     metered_psum,
     traffic_add,
 )
-from dadjax.comm._sites import axis_size, gather_sites, mean_over_sites, site_index, sum_over_sites
+from dadjax.comm._sites import (axis_size, compiling_for, gather_sites, mean_over_sites, ring_gather,
+                               site_index, sum_over_sites, target_platform)
 from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.comm._wire import TOPOLOGIES, wire_bits
 
@@ -82,6 +83,7 @@ __all__ = [
     "TOPOLOGIES",
     "hlo_collectives",
     "collective_ops",
+    "type_bytes",
     "taken_collectives",
     "match_branches",
     "CollectiveOps",
@@ -93,7 +95,8 @@ __all__ = [
     "Bits", "bits_add", "bits_const", "bits_from_count", "bits_reduce", "bits_to_int", "bits_zero",
     "host_array", "Traffic", "NO_TRAFFIC", "traffic_add", "metered_psum", "metered_pmean",
     "metered_all_gather", "metered_all_to_all", "axis_size", "site_index", "gather_sites",
-    "mean_over_sites", "sum_over_sites", "find_comm_stats",
+    "mean_over_sites", "sum_over_sites", "find_comm_stats", "ring_gather", "compiling_for",
+    "target_platform",
     "ledger_init", "ledger_record", "periodic_init", "periodic_record", "tree_dense_bits",
     "COMM_COLLECTION", "STATE_COLLECTION",
 ]

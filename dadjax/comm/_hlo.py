@@ -92,6 +92,11 @@ def _shape_bytes(text: str) -> int:
   return total
 
 
+def type_bytes(text: str) -> int:
+  """Bytes of every array type printed in ``text`` (``"f32[2,3]"``: 24; a tuple's elements summed)."""
+  return _shape_bytes(text)
+
+
 def _matching(text: str, start: int) -> int:
   depth = 0
   for i in range(start, len(text)):
@@ -137,6 +142,9 @@ class CollectiveOp(NamedTuple):
       branch computation (``branch_computations={b0, b1, ...}``; ``lax.cond``
       lowers to ``{false, true}``, so the true branch is index 1, as in the
       ``true_computation=`` form); ``()`` when it runs on every execution.
+    echo: a ``collective-permute`` of what another one received (a ring
+      all-gather forwarding a block: :func:`dadjax.comm._sites.ring_gather`),
+      so its bytes are the same payload passed on, not new payload.
   """
 
   kind: str
@@ -145,6 +153,7 @@ class CollectiveOp(NamedTuple):
   conditional: bool
   operands: int = 1
   branch: tuple = ()
+  echo: bool = False
 
 
 _PAIRS = re.compile(r"source_target_pairs=(\{\{[\d,{} ]*\}\})")
@@ -207,6 +216,7 @@ def _parse(hlo_text: str):
   calls: dict[str, list] = {}
   conds: dict[str, tuple] = {}  # conditional -> (its computation, number of branches)
   entry, current, seen = None, None, []
+  permuted: set = set()  # names holding a block a collective-permute received
   for line in hlo_text.splitlines():
     line = _COMMENT.sub("", line)  # /*index=5*/ markers in long operand lists
     parts = _split_instruction(line)
@@ -224,7 +234,14 @@ def _parse(hlo_text: str):
     if opcode == "conditional":
       conds[name] = (current, sum(tag is not None for _, tag in callees))
     if opcode in OPCODES:
-      found.append((current, OPCODES[opcode], operands, attrs))
+      items = [o.split()[-1].lstrip("%") for o in _split_operands(operands)]
+      echo = OPCODES[opcode] == "permute" and len(items) == 1 and items[0] in permuted
+      found.append((current, OPCODES[opcode], operands, attrs, echo))
+      if OPCODES[opcode] == "permute":
+        permuted.add(name)
+    elif opcode in ("collective-permute-done", "get-tuple-element", "copy", "bitcast") and any(
+        o.split()[-1].lstrip("%") in permuted for o in _split_operands(operands)):
+      permuted.add(name)  # the received block, unwrapped
   # Each computation's branch path from the entry (a branch adds its (conditional, index)).
   called = {c for targets in calls.values() for c, _ in targets}
   paths: dict = {}
@@ -236,7 +253,7 @@ def _parse(hlo_text: str):
     paths[comp] = path
     todo.extend((c, path + (tag,) if tag else path) for c, tag in calls.get(comp, ()))
   ops = []
-  for comp, kind, operands, attrs in found:
+  for comp, kind, operands, attrs, echo in found:
     size, items = 0, _split_operands(operands)
     for operand in items:
       if _SHAPE.search(operand):  # operand printed with its type
@@ -244,7 +261,8 @@ def _parse(hlo_text: str):
       else:  # operand printed by name only: look its type up
         size += _shape_bytes(types.get(operand.lstrip("%"), ""))
     path = paths.get(comp, ())
-    ops.append(CollectiveOp(kind, size, _replica_groups(attrs), bool(path), len(items), path))
+    ops.append(CollectiveOp(kind, size, _replica_groups(attrs), bool(path), len(items), path,
+                            echo))
   return ops, {name: (paths.get(comp, ()), n) for name, (comp, n) in conds.items()}
 
 

@@ -320,18 +320,6 @@ class CommSummary:
   def total_dense(self) -> int:
     return max(self.total_dense_bits)
 
-  @property
-  def compression_ratio(self) -> float:
-    """fp32 payload bits over sent payload bits, cumulative (the last step if nothing is sent yet).
-
-    A payload ratio: it counts all-gather and all-reduce payloads alike.
-    For what the network moves read :func:`~dadjax.comm.report` (its wire ratios).
-    """
-    sent, dense = self.total, self.total_dense
-    if sent == 0:
-      sent, dense = self.bits_per_step, self.dense_bits_per_step
-    return float("inf") if sent == 0 else dense / sent
-
   def wire_bits(self, num_sites: int, topology: str = "ring") -> float:
     """Wire bits per site and optimizer step for ``num_sites`` sites (:mod:`~dadjax.comm._wire`)."""
     return max(wire_bits("reduce", r, num_sites, topology)

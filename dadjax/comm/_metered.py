@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from dadjax._core.bits import Bits, as_bits, bits_add
 from dadjax._core.vma import vma
 from dadjax._core.trees import tree_nbits
-from dadjax.comm._sites import gather_sites
+from dadjax.comm._sites import gather_sites, sites_of_devices, target_platform
 
 
 class Traffic(NamedTuple):
@@ -101,12 +101,6 @@ def bucketed(collective, tree: Any, *, stacked: bool) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def sites_of_devices() -> bool:
-  """Whether the code being traced runs manual over the sites and automatic inside them."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return bool(getattr(mesh, "auto_axes", ())) and bool(getattr(mesh, "manual_axes", ()))
-
-
 def _psum(x: jax.Array, axis_name) -> jax.Array:
   """``psum``, except a bf16 one inside a site of several devices on XLA:CPU.
 
@@ -119,7 +113,7 @@ def _psum(x: jax.Array, axis_name) -> jax.Array:
   fp32, as the promotion would sum it: the same bits leave the site, the
   same numbers up to the order of the sum.
   """
-  if x.dtype == jnp.bfloat16 and sites_of_devices() and jax.default_backend() == "cpu":
+  if x.dtype == jnp.bfloat16 and sites_of_devices() and target_platform() == "cpu":
     gathered = jax.lax.all_gather(x, axis_name)
     return jnp.sum(gathered.astype(jnp.float32), axis=0).astype(jnp.bfloat16)
   return jax.lax.psum(x, axis_name)

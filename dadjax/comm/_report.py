@@ -118,6 +118,19 @@ def _ratio(base: float, sent: float) -> float:
   return base / sent
 
 
+def _payload_ratio(summary: CommSummary) -> float:
+  """fp32 all-reduce payload bits over sent payload bits, cumulative.
+
+  The last step's figures when nothing is sent yet; a payload ratio, so it
+  counts all-gather and all-reduce payloads alike (the wire ratios are
+  :func:`report`'s other fields).
+  """
+  sent, dense = summary.total, summary.total_dense
+  if sent == 0:
+    sent, dense = summary.bits_per_step, summary.dense_bits_per_step
+  return float("inf") if sent == 0 else dense / sent
+
+
 def _ops_of(step, state, batch, link):
   if step is None or batch is None:
     return None
@@ -208,7 +221,7 @@ def report(state: Any, network, *, ops: Any = None, intra_ops: Any = None, step:
       wire_ratio_fp32=_ratio(fp32, wire),
       wire_ratio_bf16=_ratio(bf16, wire),
       wire_ratio=_ratio(native, wire),
-      payload_ratio=summary.compression_ratio,
+      payload_ratio=_payload_ratio(summary),
       total_payload_bits=summary.total,
       total_wire_bits=summary.total_wire_bits(n, topo),
       modeled_comm_s_per_step=time_s + intra_s,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dadjax._core.packing import pack_bits, unpack_bits
+from dadjax._core.packing import pack_leaf, unpack_leaf
 from dadjax._core.shards import whole_max
 import dadjax.compress._two_phase as tp
 from dadjax.compress._base import Compressor, leafwise
@@ -141,14 +141,13 @@ def _fp8(wire) -> Compressor:
 
   def compress_leaf(x, key):
     del key
-    flat = x.reshape(-1).astype(jnp.float32)
-    scale = whole_max(jnp.max(jnp.abs(flat))) / top
-    return QuantizedPayload(scale, pack_bits(_fp8_encode(flat, scale, wire), 8))
+    v = x.astype(jnp.float32)  # in the leaf's shape (pack_leaf)
+    scale = whole_max(jnp.max(jnp.abs(v))) / top
+    return QuantizedPayload(scale, pack_leaf(_fp8_encode(v, scale, wire), 8))
 
   def decompress_leaf(p, like, key):
     del key
-    codes = unpack_bits(p.words, 8, int(np.prod(like.shape)))
-    return _fp8_decode(codes, p.scale, wire).reshape(like.shape).astype(like.dtype)
+    return _fp8_decode(unpack_leaf(p.words, 8, like.shape), p.scale, wire).astype(like.dtype)
 
   return leafwise(compress_leaf, decompress_leaf, "gather", name=f"cast_{wire.name}",
                   shardable=True)

@@ -25,7 +25,7 @@ import dadjax.compress._segments as seg
 from dadjax.compress._base import Compressor, leafwise
 import dadjax.compress._two_phase as tp
 from dadjax.compress._two_phase import Codec, route_arg, two_phase
-from dadjax._core.packing import code_bits, pack_bits, unpack_bits
+from dadjax._core.packing import code_bits, pack_bits, pack_leaf, unpack_bits, unpack_leaf
 from dadjax.registry import Arg, register_compressor
 
 
@@ -44,18 +44,19 @@ def _signed(magnitude, negative):
   return jnp.where(negative, -magnitude, magnitude)
 
 
-def _whole_norm(flat: jax.Array) -> jax.Array:
+def _whole_norm(x: jax.Array) -> jax.Array:
   """The whole tensor's Euclidean norm, without underflow of the squares.
 
-  :func:`~dadjax._core.linalg.safe_norm` of the leaf; for a slice of a sharded
-  leaf the same ``s * ||x / s||`` with ``s`` and the sum of squares taken
-  over the whole tensor.
+  ``s * ||x / s||`` with ``s = max |x|`` reduced over every axis of the leaf
+  in its own shape (a flatten of a leaf sharded over a later axis would
+  gather it); for a slice of a sharded leaf ``s`` and the sum of squares are
+  taken over the whole tensor.
   """
-  if leaf_shard() is None:
-    return safe_norm(flat)
-  top = whole_max(jnp.max(jnp.abs(flat)))
+  if leaf_shard() is None and x.ndim <= 1:
+    return safe_norm(x.reshape(-1))
+  top = whole_max(jnp.max(jnp.abs(x)))
   safe = jnp.where(top > 0, top, 1.0)
-  return jnp.sqrt(whole_sum(jnp.sum(jnp.square(flat / safe)))) * top
+  return jnp.sqrt(whole_sum(jnp.sum(jnp.square(x / safe)))) * top
 
 
 NOISES = ("threefry", "hash")
@@ -147,27 +148,29 @@ def _qsgd_buckets(opts: _Qsgd, d: int) -> tuple[int, int]:
 
 
 def _qsgd_compress_leaf(opts: _Qsgd, x, key):
-  flat = x.reshape(-1).astype(jnp.float32)
+  if opts.bucket_size is None:  # one norm per tensor, codes in the leaf's shape (pack_leaf)
+    v = x.astype(jnp.float32)
+    norm = _whole_norm(v)  # no underflow of tiny g^2
+    codes = _qsgd_codes(v, norm, slice_uniform(key.site, x.shape, opts.draw), opts.s)
+    return QuantizedPayload(norm, pack_leaf(codes, opts.bits))
+  flat = x.reshape(-1).astype(jnp.float32)  # buckets run along the flattened leaf
   d = flat.shape[0]
-  if opts.bucket_size is None:  # one norm per tensor: a sharded slice takes the whole tensor's
-    v, norm = flat[None], _whole_norm(flat)[None]  # no underflow of tiny g^2
-    u = slice_uniform(key.site, x.shape, opts.draw).reshape(v.shape)
-  else:  # buckets run across slices: not shardable (the flag in qsgd)
-    b, nb = _qsgd_buckets(opts, d)
-    v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
-    norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
-    u = opts.draw(key.site, v.size).reshape(v.shape)
-  codes = _qsgd_codes(v, norm[:, None], u, opts.s)
-  words = pack_bits(codes.reshape(-1)[:d], opts.bits)
-  return QuantizedPayload(norm if opts.bucket_size is not None else norm[0], words)
+  b, nb = _qsgd_buckets(opts, d)
+  v = jnp.pad(flat, (0, nb * b - d)).reshape(nb, b)
+  norm = safe_norm(v, axis=1)  # no overflow of 1e30^2 nor underflow of 1e-30^2
+  codes = _qsgd_codes(v, norm[:, None], opts.draw(key.site, v.size).reshape(v.shape), opts.s)
+  return QuantizedPayload(norm, pack_bits(codes.reshape(-1)[:d], opts.bits))
 
 
 def _qsgd_decompress_leaf(opts: _Qsgd, p, like, key):
   del key
   d = _size(like)
+  if opts.bucket_size is None:
+    codes = unpack_leaf(p.words, opts.bits, like.shape)
+    return _qsgd_values(codes, p.scale, opts.s).astype(like.dtype)
   b, _ = _qsgd_buckets(opts, d)
   codes = unpack_bits(p.words, opts.bits, d)
-  norm = jnp.repeat(jnp.atleast_1d(p.scale), b)[:d]
+  norm = jnp.repeat(p.scale, b)[:d]
   return _qsgd_values(codes, norm, opts.s).reshape(like.shape).astype(like.dtype)
 
 
@@ -278,18 +281,18 @@ def terngrad(clip: float | None = 2.5, noise: str = "threefry",
   draw = _noise_draw(noise)
 
   def compress_leaf(x, key):
-    flat = x.reshape(-1).astype(jnp.float32)
+    v = x.astype(jnp.float32)  # in the leaf's shape (pack_leaf)
     if clip is not None:
-      bound = clip * _whole_norm(flat) / math.sqrt(whole_size(flat.size))  # no underflow of g^2
-      flat = jnp.clip(flat, -bound, bound)
-    scale = whole_max(jnp.max(jnp.abs(flat)))
-    u = slice_uniform(key.site, x.shape, draw).reshape(-1)
-    return QuantizedPayload(scale, pack_bits(_terngrad_codes(flat, scale, u), 2))
+      bound = clip * _whole_norm(v) / math.sqrt(whole_size(v.size))  # no underflow of g^2
+      v = jnp.clip(v, -bound, bound)
+    scale = whole_max(jnp.max(jnp.abs(v)))
+    u = slice_uniform(key.site, x.shape, draw)
+    return QuantizedPayload(scale, pack_leaf(_terngrad_codes(v, scale, u), 2))
 
   def decompress_leaf(p, like, key):
     del key
-    codes = unpack_bits(p.words, 2, _size(like))
-    return _terngrad_values(codes, p.scale).reshape(like.shape).astype(like.dtype)
+    codes = unpack_leaf(p.words, 2, like.shape)
+    return _terngrad_values(codes, p.scale).astype(like.dtype)
 
   def compress_all(xs, paths, key):
     flats = [x.reshape(-1).astype(jnp.float32) for x in xs]
@@ -360,8 +363,8 @@ def _terngrad_values(codes, scale):
 
 
 def _sign_codes(x):
-  """1 bit per entry: 1 for negative, 0 for non-negative (sign(0) = +1)."""
-  return (x.reshape(-1) < 0).astype(jnp.uint32)
+  """1 bit per entry, in ``x``'s shape: 1 for negative, 0 for non-negative (sign(0) = +1)."""
+  return (x < 0).astype(jnp.uint32)
 
 
 @register_compressor("sign", route_arg("two_phase from N = 4 sites"))
@@ -387,8 +390,10 @@ def sign(route: str = "one_round") -> Compressor:
       bits per entry instead of ``N - 1``.
 
   Returns:
-    A ``"gather"`` :class:`Compressor` of ``32 * ceil((d + 1) / 32)`` bits
-    per tensor of ``d`` entries.
+    A ``"gather"`` :class:`Compressor` of ``32 + 32 * ceil(d / 32)`` bits
+    per tensor of ``d`` entries (the signs, packed in the tensor's shape, and
+    one word for the abstain bit; the opt-in one-buffer form packs that bit
+    after the signs: ``32 * ceil((d + 1) / 32)``).
 
   References:
     Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex
@@ -404,29 +409,28 @@ def sign(route: str = "one_round") -> Compressor:
 
 
 def _sign_compress_leaf(x, key):
-  """One tensor: its 1-bit signs and one abstain bit, packed."""
+  """One tensor: its 1-bit signs packed in its shape (:func:`pack_leaf`) and, in one word of its
+  own (a bit appended to the signs would flatten a sharded leaf), the abstain flag."""
   del key
   abstain = whole_max(jnp.max(jnp.abs(x))) == 0  # the whole tensor has no gradient here
-  return pack_bits(jnp.concatenate([_sign_codes(x), abstain.astype(jnp.uint32)[None]]), 1)
+  return pack_leaf(_sign_codes(x), 1), abstain.astype(jnp.uint32)[None]
 
 
-def _sign_decompress_leaf(words, like, key):
+def _sign_decompress_leaf(payload, like, key):
   """One site's votes: +-1, or 0 everywhere when it abstained."""
   del key
-  d = _size(like)
-  codes = unpack_bits(words, 1, d + 1)
-  votes = jnp.where(codes[:d] == 1, -1.0, 1.0) * (codes[d] == 0)
-  return votes.reshape(like.shape).astype(like.dtype)
+  words, abstain = payload
+  votes = jnp.where(unpack_leaf(words, 1, like.shape) == 1, -1.0, 1.0) * (abstain[0] == 0)
+  return votes.astype(like.dtype)
 
 
 def _sign_aggregate_leaf(gathered, like, key):
-  """The majority of the voting sites (0 on a tie)."""
+  """The majority of the voting sites (0 on a tie), counted as integers in the leaf's shape."""
   del key
-  d = _size(like)
-  codes = jax.vmap(lambda w: unpack_bits(w, 1, d + 1))(gathered)
-  negatives = jnp.sum(codes[:, :d], axis=0, dtype=jnp.int32)
-  voters = gathered.shape[0] - jnp.sum(codes[:, d], dtype=jnp.int32)  # abstainers send +0
-  return jnp.sign(voters - 2 * negatives).reshape(like.shape).astype(like.dtype)
+  words, abstain = gathered  # (sites, ...) each
+  negatives = jnp.sum(unpack_leaf(words, 1, like.shape), axis=0, dtype=jnp.int32)
+  voters = words.shape[0] - jnp.sum(abstain, dtype=jnp.int32)  # abstainers send +0
+  return jnp.sign(voters - 2 * negatives).astype(like.dtype)
 
 
 def _sign_flags(lay):
@@ -439,7 +443,8 @@ def _sign_compress_all(xs, paths, key):
   del paths, key
   lay = seg.layout([x.size + 1 for x in xs])
   abstain = jnp.stack([jnp.max(jnp.abs(x)) == 0 for x in xs]).astype(jnp.uint32)
-  codes = seg.segments([_sign_codes(x) for x in xs], lay).at[_sign_flags(lay)].set(abstain)
+  codes = seg.segments([_sign_codes(x).reshape(-1) for x in xs], lay).at[
+      _sign_flags(lay)].set(abstain)
   return seg.pack_segments(codes, 1, lay)
 
 
@@ -530,18 +535,19 @@ def scaled_sign(route: str = "one_round") -> Compressor:
   def compress_leaf(x, key):
     del key
     total = whole_sum(jnp.sum(jnp.abs(x.astype(jnp.float32))))
-    return QuantizedPayload(total / whole_size(x.size), pack_bits(_sign_codes(x), 1))
+    return QuantizedPayload(total / whole_size(x.size), pack_leaf(_sign_codes(x), 1))
 
   def decompress_leaf(p, like, key):
     del key
-    negative = unpack_bits(p.words, 1, _size(like)) == 1
-    return _signed(p.scale, negative).reshape(like.shape).astype(like.dtype)
+    negative = unpack_leaf(p.words, 1, like.shape) == 1
+    return _signed(p.scale, negative).astype(like.dtype)
 
   def compress_all(xs, paths, key):
     del paths, key
     lay = seg.layout([x.size for x in xs])
     scales = [jnp.sum(jnp.abs(x.astype(jnp.float32))) / x.size for x in xs]
-    words = seg.pack_segments(seg.segments([_sign_codes(x) for x in xs], lay), 1, lay)
+    words = seg.pack_segments(seg.segments([_sign_codes(x).reshape(-1) for x in xs], lay), 1,
+                              lay)
     return [QuantizedPayload(c, w) for c, w in zip(scales, words)]
 
   def decode_all(payloads, likes):
@@ -620,15 +626,15 @@ def quantize(bits: int = 8, noise: str = "threefry", route: str = "one_round") -
   top = float(2 ** (b - 1) - 1)
 
   def compress_leaf(x, key):
-    flat = x.reshape(-1).astype(jnp.float32)
-    scale = whole_max(jnp.max(jnp.abs(flat)))
-    u = slice_uniform(key.site, x.shape, draw).reshape(-1)
-    return QuantizedPayload(scale, pack_bits(_int_codes(flat, scale, u, top), b))
+    v = x.astype(jnp.float32)  # in the leaf's shape (pack_leaf)
+    scale = whole_max(jnp.max(jnp.abs(v)))
+    u = slice_uniform(key.site, x.shape, draw)
+    return QuantizedPayload(scale, pack_leaf(_int_codes(v, scale, u, top), b))
 
   def decompress_leaf(p, like, key):
     del key
-    codes = unpack_bits(p.words, b, _size(like))
-    return _int_values(codes, p.scale, top).reshape(like.shape).astype(like.dtype)
+    codes = unpack_leaf(p.words, b, like.shape)
+    return _int_values(codes, p.scale, top).astype(like.dtype)
 
   def encode(v, key, rows, lay):
     del rows, lay

@@ -7,6 +7,7 @@ from dadjax.data._synthetic import synthetic_classification, synthetic_sequences
 from dadjax.data._lookup import (as_dataset, dataset_names, get_dataset, load, load_npz,
                                  register_dataset)
 from dadjax.data._text import (
+    BYTE_VOCAB,
   bits_per_byte,
   language_model_metrics,
   load_text,
@@ -22,6 +23,7 @@ from dadjax.data._grain import (ArrayRecordSource, ArraySource, SitePipeline, Te
 
 __all__ = [
     "check_dataset",
+    "BYTE_VOCAB",
   "Dataset",
   "load",
   "load_digits",

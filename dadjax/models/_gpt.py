@@ -614,7 +614,7 @@ def gpt_memory(model: GPT | str, mesh_shape: dict | None = None, rules: Any = "f
                    rules=rules, specs=specs, sites_per_device=k)
 
 
-def _parse_mesh(text: str) -> dict:
+def parse_mesh(text: str) -> dict:
   mesh = {}
   for item in text.split(","):
     axis, _, size = item.partition("=")
@@ -660,7 +660,7 @@ def gpt_dry_run(config: Any, *, mesh: str | dict | None = None, rules: str | Non
   model = cls(**{**defaults, **kwargs})
   vmap = config.backend == "vmap"
   if isinstance(mesh, str):
-    mesh = _parse_mesh(mesh)
+    mesh = parse_mesh(mesh)
   if mesh is None:
     mesh = {SITE_AXIS: config.num_sites}
     inner = dict(getattr(config, "mesh_inner", None) or {})
@@ -677,7 +677,8 @@ def gpt_dry_run(config: Any, *, mesh: str | dict | None = None, rules: str | Non
   mem = gpt_memory(model, mesh, rules, batch_per_site=config.batch_per_site, seq_len=seq_len,
                    optimizer=opt if opt in _OPTIMIZER_COPIES else "adam",
                    sites_per_device=config.num_sites if vmap else 1)
-  head = (f"dry run: model={config.model} ({model.num_layers} layers, d_model {model.d_model}, "
+  head = (f"dry run (an estimate from shapes; `dadjax compile` gives the compiler's figures): "
+          f"model={config.model} ({model.num_layers} layers, d_model {model.d_model}, "
           f"vocab {model.vocab_size}, dtype {model.dtype}, remat {model.remat}), rules={rules}, "
           f"batch_per_site={config.batch_per_site}, seq_len={seq_len}, optimizer={opt}")
   return head + "\n" + mem.table(hbm_gib)

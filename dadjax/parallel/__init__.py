@@ -18,6 +18,7 @@ from dadjax.parallel._losses import (
 )
 from dadjax._core.protocols import CollectionRule, register_rule
 from dadjax.comm import COMM_COLLECTION, STATE_COLLECTION
+from dadjax.parallel._abstract import abstract_batch, abstract_state
 from dadjax.parallel._gradient import LocalGradients, grad_result, keep_unused_state, local_gradients
 from dadjax.parallel._layout import shard_dims
 from dadjax.parallel._scan_axes import layer_axes_of
@@ -31,6 +32,8 @@ from dadjax.parallel._step import TrainStep
 
 __all__ = [
     "make_train_step",
+    "abstract_state",
+    "abstract_batch",
     "shard_dims",
     "layer_axes_of",
     "site_map",

@@ -75,9 +75,10 @@ def program_bits(run, state, placed_batch) -> tuple[int, int]:
   ops = collective_ops(run.lower(state, placed_batch).as_text(dialect="hlo"))
   # reduce-scatters (sharded parameters' in-site gradient mean) are left out: their
   # operand is the whole tensor while the ledger books the slice each device keeps.
-  # An all-to-all is booked as one row of its operand (dadjax.comm.metered_all_to_all).
+  # An all-to-all is booked as one row of its operand (dadjax.comm.metered_all_to_all); a ring
+  # all-gather's forwarding permutes pass on the payload its first permute sent (one gather).
   bits = [(8 * op.nbytes // (len(op.groups[0]) if op.kind == "all_to_all" and op.groups else 1),
-           op.conditional) for op in ops if op.kind != "reduce_scatter"]
+           op.conditional) for op in ops if op.kind != "reduce_scatter" and not op.echo]
   total = sum(b for b, _ in bits)
   return total - sum(b for b, cond in bits if cond), total
 

@@ -39,6 +39,7 @@ by GSPMD over the in-site axes as the caller placed them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -47,18 +48,45 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dadjax._core.layers import stacked_layers
 from dadjax._core.vma import tree_to_varying, vma
+from dadjax.comm import compiling_for
 from dadjax.parallel._checks import check_opt_state
+from dadjax.parallel._layout import mirror_specs, with_fsdp
+from dadjax.parallel._site_mesh import SPREAD_MIN_ENTRIES
 
 
 def _varying(tree: Any, axis: str) -> list[bool]:
   return [axis in vma(x) for x in jax.tree.leaves(tree)]
 
 
-def _stack(x: jax.Array, n: int, axis: str, mesh) -> jax.Array:
-  """``x`` copied along a new leading site axis, each site's copy on its devices."""
-  spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
-  stacked = jax.numpy.broadcast_to(x, (n,) + np.shape(x))
-  return jax.device_put(stacked, NamedSharding(mesh, P(axis, *spec)))
+def _spec(x) -> P:
+  sharding = getattr(x, "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
+def _state_layout(state: Any, params: Any, mesh, site_axis: str) -> Any:
+  """The in-site spec of every state leaf: a leaf that mirrors a parameter (its path and shape:
+  Adam's moments, error-feedback memories) takes the parameter's sharding; any other leaf of at
+  least ``SPREAD_MIN_ENTRIES`` entries (PowerSGD's stacked memories and ``Q``) is split over
+  the in-site axes (ZeRO-1), as :class:`~dadjax.parallel.Mesh` places ``make_train_step``'s."""
+  inner = tuple(a for a in mesh.axis_names if a != site_axis)
+
+  def spread(leaf):
+    shape = tuple(np.shape(leaf))
+    if not inner or math.prod(shape) < SPREAD_MIN_ENTRIES:
+      return P()
+    return with_fsdp(P(), shape, dict(mesh.shape), inner)
+
+  return mirror_specs(state, params, jax.tree.map(_spec, params), spread)
+
+
+def _place(x, spec: P, per_site: bool, n: int, axis: str, mesh):
+  """``x`` placed by ``spec`` (and copied along a new leading site axis when ``per_site``);
+  a ``ShapeDtypeStruct`` becomes one with that sharding (nothing allocated)."""
+  shape = ((n,) if per_site else ()) + tuple(np.shape(x))
+  sharding = NamedSharding(mesh, P(axis, *spec) if per_site else spec)
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+  return jax.device_put(jax.numpy.broadcast_to(x, shape), sharding)
 
 
 @dataclasses.dataclass(eq=False)  # hashable by identity: jax.jit(site_fn) works
@@ -79,7 +107,7 @@ class SiteMapped:
     """``fn`` on one site's view: the state's per-site leaves without their site axis."""
     if state_flags is not None:
       state_leaves = [x[0] if f else x for x, f in zip(state_leaves, state_flags)]
-    with stacked_layers(self.layer_axes):
+    with stacked_layers(self.layer_axes), compiling_for(self.mesh.devices.flat[0].platform):
       return self.fn(params, jax.tree.unflatten(treedef, state_leaves), batch, *rest)
 
   def _probe(self, params, state, batch, rest, state_flags):
@@ -117,12 +145,16 @@ class SiteMapped:
                               [P(self.site_axis) if f else P() for f in flags])
 
   def init(self, state: Any, params: Any, batch: Any, *rest) -> Any:
-    """``state`` with a leading site axis on the leaves that differ between sites.
+    """``state`` with a leading site axis on the leaves that differ between sites, placed.
 
     Traces the function once (no compilation) with ``state`` the same on
     every site, reads which leaves of the state it returns differ by site,
-    and stacks exactly those (each site's copy on its devices, keeping the
-    leaf's in-site sharding).
+    and stacks exactly those (each site's copy on its devices). Every leaf is
+    placed inside a site as :func:`_state_layout` says: like the parameter
+    it mirrors, else split over the site's devices when large, so no device
+    holds a whole model's worth of a method's state. ``ShapeDtypeStruct``
+    arguments give a ``ShapeDtypeStruct`` state with those shardings (to
+    compile for a TPU topology: :func:`dadjax.pod.compile_report`).
     """
     check_opt_state(state, num_sites=self.num_sites, axis_name=self.site_axis, stage=False,
                     allow_local=False)
@@ -132,8 +164,10 @@ class SiteMapped:
       raise ValueError("site_map: the state the function returns has another structure than the "
                        "state it was given")
     self.per_site[jax.tree.structure(state)] = flags
-    leaves = [_stack(x, self.num_sites, self.site_axis, self.mesh) if f else x
-              for x, f in zip(jax.tree.leaves(state), flags)]
+    specs = jax.tree.structure(state).flatten_up_to(
+        _state_layout(state, params, self.mesh, self.site_axis))
+    leaves = [_place(x, spec, f, self.num_sites, self.site_axis, self.mesh)
+              for x, spec, f in zip(jax.tree.leaves(state), specs, flags)]
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
   def __call__(self, params: Any, state: Any, batch: Any, *rest):

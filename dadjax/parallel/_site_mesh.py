@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dadjax.comm import compiling_for
 from dadjax.parallel._layout import mirror_specs, param_layout, strip_site_axis, with_fsdp
 from dadjax.parallel._mesh import make_mesh
 from dadjax.parallel._rows import put_site_rows
@@ -125,8 +126,10 @@ class Mesh:
     program = build()
     inner_rules = strip_site_axis(self.rules, self.axis_name)
 
+    platform = self.mesh.devices.flat[0].platform  # a TPU topology's on a CPU host
+
     def blocked(state, batch):
-      with _logical_rules(inner_rules):
+      with _logical_rules(inner_rules), compiling_for(platform):
         new_state, metrics = program(jax.tree.map(lambda x: x[0], state), batch)
       return jax.tree.map(lambda x: x[None], (new_state, metrics))
 

@@ -70,18 +70,19 @@ class TrainStep:
   inner_axes = property(lambda self: self.placement.inner)
 
   def init(self, key: jax.Array, sample_x: Any, **init_kwargs) -> TrainState:
-    """Initialize parameters from ``key`` and replicate them over the sites.
+    """The placed, site-stacked :class:`TrainState`: ``model.init(key, sample_x,
+    **init_kwargs)`` (``sample_x``: one site's rows) copied to every site; ``key`` folded with
+    a tag is the base key of the step's rngs."""
+    return self.place(stack_sites(self._site_state(key, sample_x, **init_kwargs),
+                                  self.num_sites))
 
-    Args:
-      key: a JAX key; it initializes the model (``model.init(key, sample_x,
-        **init_kwargs)``) and, folded with a tag, gives the base key of the
-        step's rngs.
-      sample_x: a sample input of the model (one site's rows).
-      **init_kwargs: extra arguments of ``model.init``.
+  def lower(self, state: TrainState, placed_batch: Any):
+    """The step lowered for a state and a placed batch, or for their ``ShapeDtypeStruct``
+    (:func:`~dadjax.parallel.abstract_state`): ``.compile()`` is XLA's program."""
+    return self._run.lower(state, placed_batch)
 
-    Returns:
-      The placed, site-stacked :class:`TrainState`.
-    """
+  def _site_state(self, key: jax.Array, sample_x: Any, base=None, **init_kwargs) -> TrainState:
+    """One site's initial state (not placed); ``base``: the rngs' base key data, if known."""
     variables = dict(self.model.init(key, sample_x, **init_kwargs))
     if self.backend == "shard_map":  # the in-site layout the model's metadata declares
       self.placement.record(variables["params"])
@@ -95,15 +96,14 @@ class TrainStep:
     if missing:
       raise ValueError(f"mutable: the model has no collection(s) {missing} after init; "
                        f"it has {sorted(variables)}")
-    base = key_data(jax.random.fold_in(key, TAG_BASE))
+    base = key_data(jax.random.fold_in(key, TAG_BASE)) if base is None else base
     stage_state = self.batch_stage.init(params) if self.batch_stage is not None else None
     with stacked_layers(self.layer_axes):
       opt_state = self.tx.init(params)
     check_opt_state(opt_state, num_sites=self.num_sites, axis_name=self.axis_name,
                     stage=self.batch_stage is not None, allow_local=self.allow_local)
-    state = TrainState(np.zeros((), np.int32), params, opt_state, variables, base,
-                       ledger_init(), stage_state, None)
-    return self.place(stack_sites(state, self.num_sites))
+    return TrainState(np.zeros((), np.int32), params, opt_state, variables, base,
+                      ledger_init(), stage_state, None)
 
   def place(self, tree: Any) -> Any:
     """Put a site-stacked pytree where this placement expects it.

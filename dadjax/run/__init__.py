@@ -25,13 +25,13 @@ from dadjax.run._checkpoint import (FINGERPRINT_EXCLUDED, CheckpointDir, fingerp
 from dadjax.run._cli import describe_methods, main
 from dadjax.run._config import Config, load_config, parse_lr_schedule, validate
 from dadjax.run._demo import DEFAULT_METHODS, format_table, run_demo
-from dadjax.run._loop import (Run, build, compiled_ops, evaluate, local_optimizer, make_optimizer,
+from dadjax.run._loop import (Run, build, build_step, compiled_ops, evaluate, local_optimizer, make_optimizer,
                               make_schedule, method_and_model, network_model, state_rows, train)
 from dadjax.run._metrics_file import MetricsFile, json_row
 from dadjax.run._targets import Reached, higher_is_better, to_target
 
 __all__ = [
-    "train", "build", "method_and_model", "evaluate", "Run", "state_rows", "compiled_ops", "network_model",
+    "train", "build", "build_step", "method_and_model", "evaluate", "Run", "state_rows", "compiled_ops", "network_model",
     "make_optimizer", "local_optimizer", "make_schedule",
     "Config", "load_config", "validate", "parse_lr_schedule",
     "CheckpointDir", "fingerprint", "state_digest", "truncate_metrics", "FINGERPRINT_EXCLUDED",

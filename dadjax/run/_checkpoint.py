@@ -29,8 +29,20 @@ state, one JSON file per process).
   (a folder ``2024/``, a link) is never read, rotated or deleted.
 - **Failed saves end the run.** A save that cannot be written (no space,
   a read-only or vanished directory, a deleted or replaced lock) raises
-  :class:`~dadjax.errors.CheckpointError` naming the last intact step;
-  orbax's writer threads are stopped so the process can exit.
+  :class:`~dadjax.errors.CheckpointError` naming the last intact step.
+  Saves are synchronous (orbax's public
+  ``CheckpointManagerOptions(enable_async_checkpointing=False)``): a failure
+  surfaces in the :meth:`CheckpointDir.save` call that wrote the step, on the
+  calling thread, and no orbax writer thread is left waiting for it, so the
+  process exits at once.
+
+dadjax uses orbax's public API only (``CheckpointManager``,
+``CheckpointManagerOptions``, ``args``, ``step.NameFormat``). What a failed
+save would still print (orbax's error logs, and the reports of TensorStore
+writes that complete after orbax closed the event loop awaiting them) is
+dropped by Python's own ``logging`` filters and a ``sys.unraisablehook``
+wrapper matching only those reports, both installed for the save alone
+(:func:`_quiet_save`).
 
 Checksums are computed on the device by one jitted reduction per leaf
 (``sum(bits[i] * w[i]) mod 2**32`` with distinct odd weights ``w[i]``), so
@@ -60,7 +72,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dadjax.comm import host_array
-import dadjax.run._orbax_internals as _orbax_internals
 from dadjax.run._config import Config
 from dadjax.errors import CheckpointError, DivergenceError
 from dadjax._core.procs import pid_alive
@@ -81,12 +92,11 @@ LOCK_FILE = "dadjax.lock"
 
 
 class _QuietFailedWriters(logging.Filter):
-  """Drop orbax's error logs (with tracebacks) of a failed background save.
+  """Drop orbax's error logs (with tracebacks) of a failed save.
 
-  Every such failure reaches the caller of :meth:`CheckpointDir.save` /
-  :meth:`CheckpointDir.close` as one :class:`~dadjax.errors.CheckpointError`.
-  Installed on the ``absl`` logger by a :class:`CheckpointDir` for its life
-  (orbax's writer threads log while the run goes on), removed by its close.
+  Every such failure reaches the caller of :meth:`CheckpointDir.save` as one
+  :class:`~dadjax.errors.CheckpointError`. Installed on the ``absl`` logger
+  by a :class:`CheckpointDir` for its life, removed by its close.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
@@ -94,28 +104,72 @@ class _QuietFailedWriters(logging.Filter):
                 and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
 
 
+# What asyncio logs (on its own logger) when a failed save's writes are garbage-collected.
+_DROPPED_WRITE_NOTES = ("exception was never retrieved", "Task was destroyed but it is pending")
+
+
 class _DroppedWrites(logging.Filter):
-  """After a failed save: drop asyncio's note of the failed writers' futures left unread."""
+  """After a failed save: drop asyncio's notes of the failed writes' tasks and futures."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return "exception was never retrieved" not in str(record.msg)
+    return not any(note in str(record.msg) for note in _DROPPED_WRITE_NOTES)
+
+
+def _is_closed_loop_report(unraisable: Any) -> bool:
+  """Whether an unraisable exception is a write's completion posted to a closed event loop.
+
+  orbax awaits each save's TensorStore writes in an event loop of its own that it closes as
+  soon as one write fails (there is no public option to let the others settle first); each
+  other write then completes on a TensorStore thread whose callback calls
+  ``loop.call_soon_threadsafe`` on the closed loop, and Python reports that ``RuntimeError``
+  with no object. Only exactly that is matched.
+  """
+  error = unraisable.exc_value
+  if (unraisable.object is not None or type(error) is not RuntimeError
+      or str(error) != "Event loop is closed"):
+    return False
+  tb = unraisable.exc_traceback
+  while tb is not None:
+    code = tb.tb_frame.f_code
+    if code.co_name == "call_soon_threadsafe" and code.co_filename.endswith(
+        os.path.join("asyncio", "base_events.py")):
+      return True
+    tb = tb.tb_next
+  return False
 
 
 @contextlib.contextmanager
-def _dropping_failed_writes() -> Iterator[None]:
-  """While stopping a failed save's writers: their never-run coroutines and unread futures are
-  dropped on purpose, so Python's "never awaited" warning and asyncio's "never retrieved" note
-  are silenced, for this block only (it collects them before it ends)."""
+def _quiet_save() -> Iterator[None]:
+  """While a save runs and a failure of it is handled: the reports of its failed writes.
+
+  A failed save reaches its caller as one :class:`~dadjax.errors.CheckpointError`; what
+  its writes left behind is dropped on purpose, for this block only: the reports of
+  writes completing after their event loop was closed (:func:`_is_closed_loop_report`;
+  every other unraisable exception goes to the hook that was in place), Python's "never
+  awaited" warning of coroutines that never ran, and asyncio's notes of the tasks and
+  futures left unread (collected before the block ends).
+  """
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_closed_loop_report(unraisable):
+      previous(unraisable)
+
   dropped = _DroppedWrites()
   asyncio_log = logging.getLogger("asyncio")
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
     asyncio_log.addFilter(dropped)
+    sys.unraisablehook = hook
     try:
       yield
-      gc.collect()
     finally:
-      asyncio_log.removeFilter(dropped)
+      try:
+        gc.collect()
+      finally:
+        if sys.unraisablehook is hook:  # unless someone replaced it meanwhile
+          sys.unraisablehook = previous
+        asyncio_log.removeFilter(dropped)
 
 
 def _say(message: str) -> None:
@@ -306,11 +360,12 @@ class CheckpointDir:
       raise CheckpointError(f"checkpoint_dir {str(self.directory)!r} cannot be used: "
                             f"{e.strerror or e}") from e
     logging.getLogger("absl").addFilter(self._quiet)  # removed by close()
-    _orbax_internals.settle_failed_loops()  # a failed save's error stays one line
     try:
       self._manager = ocp.CheckpointManager(
           self.directory, options=ocp.CheckpointManagerOptions(
               max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
+              # a failed save raises in save(), on the caller's thread, leaving no writer waiting
+              enable_async_checkpointing=False,
               step_name_format=_OwnSteps()))
       if restart and self._manager.all_steps():
         steps = sorted(self._manager.all_steps())
@@ -375,7 +430,8 @@ class CheckpointDir:
       if self._manager is not None:
         manager, self._manager = self._manager, None
         try:
-          manager.wait_until_finished()
+          with _quiet_save():
+            manager.wait_until_finished()
         except Exception as e:  # pylint: disable=broad-except
           self._failed(e, manager)
         manager.close()
@@ -388,9 +444,8 @@ class CheckpointDir:
         self._lock_fd = None
 
   def _failed(self, error: BaseException, manager) -> None:
-    """A save failed: stop orbax's writers, remove the half-written step, raise CheckpointError."""
-    with _dropping_failed_writes():
-      _orbax_internals.stop_writer_threads()
+    """A save failed: close orbax, remove the half-written step, raise CheckpointError."""
+    with _quiet_save():
       try:
         manager.close()
       except Exception:  # pylint: disable=broad-except
@@ -425,7 +480,7 @@ class CheckpointDir:
     """The newest step directory on disk with dadjax's record (``None``: none).
 
     Reads the directory listing only (safe from a signal handler or another
-    thread, while orbax writes).
+    thread, while a save writes).
     """
     try:
       steps = [int(p.name) for p in self.directory.iterdir()
@@ -460,10 +515,10 @@ class CheckpointDir:
       DivergenceError: a leaf of ``state`` holds a NaN or an infinity;
         nothing is written and the message names the leaf and the kept
         checkpoint.
-      CheckpointError: the lock was deleted or replaced, or this save or
-        the previous one (written in the background) failed: no space left,
-        a read-only or vanished directory. The half-written step is removed,
-        orbax's writer threads are stopped, and the message names the last
+      CheckpointError: the lock was deleted or replaced, or this save
+        failed: no space left, a read-only or vanished directory. The save
+        is synchronous, so the error is raised here, by the save that failed;
+        the half-written step is removed and the message names the last
         intact step; the directory can no longer be used by this object.
     """
     checksums, nonfinite = state_digest(state)
@@ -478,16 +533,17 @@ class CheckpointDir:
     record = {"format": FORMAT, "step": step, "fingerprint": self.fingerprint,
               "checksums": checksums, **meta}
     self.check_lock()
+    self._saving = step
     try:
       items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record))
       if self._pipeline is not None:  # the input pipeline's iterator state, at this step
         import grain  # pylint: disable=g-import-not-at-top
         items["data"] = grain.checkpoint.CheckpointSave(self._pipeline.checkpoint_item(step))
-      self._manager.save(step, args=ocp.args.Composite(**items))
-    except Exception as e:  # pylint: disable=broad-except  (also the previous save's error)
+      with _quiet_save():
+        self._manager.save(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # pylint: disable=broad-except
       manager, self._manager = self._manager, None
       self._failed(e, manager)
-    self._saving = step
 
   # -- restore ---------------------------------------------------------------
 

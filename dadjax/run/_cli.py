@@ -1,4 +1,4 @@
-"""The ``dadjax`` command: ``train``, ``dryrun``, ``demo``, ``methods``, ``plot`` and ``netlab``.
+"""The ``dadjax`` command: ``train``, ``compile``, ``dryrun``, ``demo``, ``methods``, ``plot``, ``netlab``.
 
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
@@ -123,8 +123,23 @@ def _parser() -> argparse.ArgumentParser:
   p_plot.add_argument("--out", help="image to write (default: RUN_DIR/decisions.png)")
   p_plot.set_defaults(handler=_plot)
   _debug_flag(p_plot)
-  p_dry = sub.add_parser("dryrun", help="per-device memory of a GPT config's step (parameters, "
-                         "optimizer, activations) from shapes alone: nothing allocated")
+  p_compile = sub.add_parser(
+      "compile", help="compile a config's train step for a TPU topology (no TPU needed) and "
+      "print the compiler's per-device memory, collectives per mesh axis, FLOPs")
+  p_compile.add_argument("config", help="TOML or JSON train config")
+  p_compile.add_argument("overrides", nargs="*", help="key=value config overrides")
+  p_compile.add_argument("--topology", required=True,
+                         help="e.g. v5e:4x4, v5e:16x16, v5p:4x4x4; cpu:N for N host devices")
+  p_compile.add_argument("--slices", type=int, default=1, help="slices joined by DCN (default 1)")
+  p_compile.add_argument("--mesh", help="mesh axes, e.g. data=4,fsdp=256 (default: one site per "
+                         "slice, the config's in-site axes grown to fill a site)")
+  p_compile.add_argument("--json", action="store_true", help="print the report as JSON")
+  _plugin_flag(p_compile)
+  p_compile.set_defaults(handler=_compile)
+  _debug_flag(p_compile)
+  p_dry = sub.add_parser("dryrun", help="an estimate of a GPT config's per-device memory "
+                         "(parameters, optimizer, activations) from shapes alone; `dadjax "
+                         "compile` gives the compiler's figures")
   p_dry.add_argument("config", help="TOML or JSON train config whose model is a gpt_* size")
   p_dry.add_argument("overrides", nargs="*", help="key=value config overrides")
   p_dry.add_argument("--mesh", help="mesh axes, e.g. data=2,fsdp=16,model=1 (default: "
@@ -399,6 +414,23 @@ def _die_with_parent():
   return setup
 
 
+def _compile(args: argparse.Namespace) -> int:
+  topology = args.topology
+  if topology.startswith("cpu:") and topology[4:].isdigit():
+    _simulate_devices(int(topology[4:]) * max(1, args.slices))
+  from dadjax.models import parse_mesh  # pylint: disable=g-import-not-at-top
+  from dadjax.pod import compile_config  # pylint: disable=g-import-not-at-top
+  from dadjax.run._config import load_config  # pylint: disable=g-import-not-at-top
+  try:
+    config = load_config(args.config, args.overrides)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    report = compile_config(config, topology, args.slices, mesh=mesh)
+  except ValueError as e:
+    raise DadjaxError(str(e)) from None
+  print(report.to_json() if args.json else report.table())
+  return 0
+
+
 def _dryrun(args: argparse.Namespace) -> int:
   from dadjax.run._config import load_config  # pylint: disable=g-import-not-at-top
   from dadjax.models import gpt_dry_run  # pylint: disable=g-import-not-at-top
@@ -444,7 +476,7 @@ def _parse(argv) -> argparse.Namespace:
   """Parse ``argv``; ``train``'s (``dryrun``'s) ``key=value`` overrides may sit between flags."""
   parser = _parser()
   args, extra = parser.parse_known_args(argv)
-  if extra and getattr(args, "command", None) in ("train", "dryrun"):
+  if extra and getattr(args, "command", None) in ("train", "dryrun", "compile"):
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if not stray:
       args.overrides = [*args.overrides, *extra]

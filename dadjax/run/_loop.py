@@ -154,25 +154,33 @@ def build(config: Config):
     data_lib.check_dataset(dataset)
   else:
     dataset, parts, batcher = _memory_data(config)
-  schedule, method, model = method_and_model(config, dataset, batcher.steps_per_epoch)
-  if config.per_site > 1:
+  step_fn = build_step(config, dataset, batcher.steps_per_epoch)
+  if config.pipeline == "grain":
+    batcher.use_sites(step_fn.local_sites)
+  return dataset, parts, batcher, step_fn
+
+
+def build_step(config: Config, dataset, steps_per_epoch: int | None, mesh=None) -> TrainStep:
+  """The run's :class:`~dadjax.parallel.TrainStep` for ``dataset`` (its shapes, vocabulary and
+  classes are read); ``mesh``: the mesh to place it on (default: the config's, over
+  ``jax.devices()``; :func:`dadjax.pod.compile_config` passes a TPU topology's)."""
+  schedule, method, model = method_and_model(config, dataset, steps_per_epoch)
+  if mesh is None and config.per_site > 1:
     mesh = (make_mesh(sites=config.num_sites, inner=dict(config.mesh_inner))
             if config.mesh_inner else make_mesh(sites=config.num_sites, per_site=config.per_site))
+  if mesh is not None:
     placement = {"mesh": mesh, "shard_params": config.shard_params,
                  "rules": None if config.rules is None else models.gpt_rules(config.rules)}
   else:
     placement = {"num_sites": config.num_sites}
   lm = np.ndim(dataset.y_train) == 2  # next-token targets (rows, T): per-token metrics
-  step_fn = make_train_step(model, method.optimizer(local_optimizer(config, schedule)), **placement,
-                            backend=config.backend,
-                            metrics_fn=data_lib.language_model_metrics if lm else None,
-                            batch_stage=getattr(method, "batch_stage", None),
-                            compute_dtype=(None if config.compute_dtype == "float32"
-                                           else jnp.dtype(config.compute_dtype)),
-                            collections=getattr(method, "collections", None))
-  if config.pipeline == "grain":
-    batcher.use_sites(step_fn.local_sites)
-  return dataset, parts, batcher, step_fn
+  return make_train_step(model, method.optimizer(local_optimizer(config, schedule)), **placement,
+                         backend=config.backend,
+                         metrics_fn=data_lib.language_model_metrics if lm else None,
+                         batch_stage=getattr(method, "batch_stage", None),
+                         compute_dtype=(None if config.compute_dtype == "float32"
+                                        else jnp.dtype(config.compute_dtype)),
+                         collections=getattr(method, "collections", None))
 
 
 def _memory_data(config: Config):
@@ -204,7 +212,8 @@ def train(config: Config, *, progress: bool = True, log: Callable[[dict], None] 
 
   Args:
     config: the run's :class:`~dadjax.config.Config`.
-    progress: show a progress bar.
+    progress: show progress: a bar where the output is a terminal or a notebook,
+      elsewhere (a pipe, a file, a CI log) one line on stderr per evaluation.
     log: called with each metrics row (also written to ``out_dir/metrics.jsonl``).
     restart: delete the checkpoints in ``config.checkpoint_dir`` and start
       from step 0 instead of resuming.
@@ -321,11 +330,12 @@ class _Loop:
     """Steps ``start`` to ``config.steps``; returns the final state and the logged rows."""
     config, step_fn, store, stop = self.config, self.step_fn, self.store, self.stop
     history: list[dict] = []
-    bar = tqdm(range(start, config.steps), desc=config.method, disable=not progress,
-               initial=start, total=config.steps, leave=False)
+    # a bar where the output redraws in place; elsewhere a line per evaluation (_progress_line)
+    bar = tqdm(range(start, config.steps), desc=config.method, initial=start,
+               total=config.steps, leave=False) if progress and _interactive() else None
     t0 = time.perf_counter()
     sites = step_fn.local_sites  # this process samples and holds only its own sites' rows
-    for step in bar:
+    for step in bar if bar is not None else range(start, config.steps):
       x, y = self.batcher.batch_at(step, sites)
       if step == start:
         _report_rows(sites, x.shape, step_fn.num_sites)
@@ -340,7 +350,10 @@ class _Loop:
         row = self.log_row(state, metrics, {"x": x, "y": y}, sites, done,
                            self.wall0 + time.perf_counter() - t0)
         history.append(row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
+        if bar is not None:
+          bar.set_postfix(loss=f"{row['loss']:.3f}", test_loss=f"{row['test_loss']:.3f}")
+        elif progress:
+          _progress_line(config, row)
       if save_now:
         store.save(done, state, wall_s=self.wall0 + time.perf_counter() - t0, row=self.last_row)
       if stop.stop_at(done) if done < config.steps else stop.stop_at_end(done):
@@ -360,6 +373,32 @@ class _Loop:
     if self.log:
       self.log(row)
     return row
+
+
+def _interactive(stream=None) -> bool:
+  """Whether ``stream`` (default ``sys.stderr``) redraws a progress bar in place.
+
+  A terminal or a notebook kernel (Jupyter, Colab) does; a pipe, a file or a
+  CI log does not, and a bar there is a line per redraw.
+  """
+  stream = sys.stderr if stream is None else stream
+  try:
+    if stream.isatty():
+      return True
+  except (AttributeError, ValueError):  # no isatty, or a closed stream
+    pass
+  get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+  return hasattr(get_ipython() if get_ipython is not None else None, "kernel")
+
+
+def _progress_line(config: Config, row: dict) -> None:
+  """The progress bar's stand-in off a terminal: one line on stderr per logged row, e.g.
+  ``dadjax: topk:0.01 step 100/300: loss 0.412, test loss 0.45, test accuracy 0.91, 12.3 s``."""
+  figures = [f"loss {row['loss']:.4g}"]
+  figures += [f"test {k[len('test_'):].replace('_', ' ')} {v:.4g}" for k, v in row.items()
+              if k.startswith("test_") and isinstance(v, (int, float))]
+  print(f"dadjax: {config.method} step {row['step']}/{config.steps}: "
+        f"{', '.join(figures)}, {row['wall_s']:.1f} s", file=sys.stderr, flush=True)
 
 
 def _stop_on_signal(config: Config, store, stop, state, metrics, step: int, *, saved: bool,
