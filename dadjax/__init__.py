@@ -10,8 +10,8 @@ building blocks for writing new methods.
 
 # Every family package is imported here: each registers its methods in the catalog
 # (dadjax.registry) when imported, so the catalog is complete once dadjax is.
-from dadjax import (adaptive, comm, compress, dad, data, dataquant, extend, local, models, parallel,
-                    pod, registry)
+from dadjax import (adaptive, comm, compress, dad, data, dataquant, elastic, extend, local, models,
+                    parallel, pod, registry)
 from dadjax.comm import (AllReduceState, CommStats, CommSummary, NetworkModel, accumulate, allreduce,
                          comm_stats)
 from dadjax.compress import (
@@ -44,8 +44,8 @@ __version__ = "0.5.0"
 
 __all__ = [
     # subpackages
-    "adaptive", "comm", "compress", "dad", "data", "dataquant", "extend", "local", "models",
-    "parallel", "pod", "registry",
+    "adaptive", "comm", "compress", "dad", "data", "dataquant", "elastic", "extend", "local",
+    "models", "parallel", "pod", "registry",
     # protocols
     "Compressor", "Method", "BatchStage",
     # methods by name

@@ -25,6 +25,7 @@ SECTIONS = [
     ("dadjax.adaptive", "Accordion: critical-regime detection and switching"),
     ("dadjax.local", "local updates: local SGD, DiLoCo, Streaming DiLoCo, SparseLoCo, DeMo"),
     ("dadjax.parallel", "meshes and the SPMD train step"),
+    ("dadjax.elastic", "sites that come and go: the lighthouse and elastic DiLoCo"),
     ("dadjax.pod", "a step compiled by the TPU compiler for a named topology, and its report"),
     ("dadjax.nnx", "Flax NNX models in the train step"),
     ("dadjax.data", "data sets, site partitions, the Grain pipeline per host"),

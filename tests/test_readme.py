@@ -7,7 +7,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 # so the pages run in this order; every guide with a Python block must be listed.
 PAGES = ["README.md", "docs/quickstart.md", "docs/compression.md", "docs/dad.md",
          "docs/own_step.md", "docs/dataquant.md", "docs/extending.md", "docs/placement.md",
-         "docs/local.md", "docs/api.md"]
+         "docs/local.md", "docs/elastic.md", "docs/api.md"]
 
 
 def _python_blocks(path: pathlib.Path) -> list[str]:

@@ -1,0 +1,24 @@
+"""Sites that come and go: elastic DiLoCo over a quorum service (torchft's pattern, in JAX).
+
+JAX's multi-process runtime fixes its process set when it starts
+(``python experiments/elastic_runtime.py`` measures it), so each site of an
+elastic run is its own JAX program, and the outer step goes through a
+:class:`Lighthouse` the run starts with, not through a JAX collective:
+
+* :class:`Lighthouse`: forms a quorum at each outer synchronization (drops
+  a site that does not contribute within ``quorum_timeout_s``), returns the
+  weighted mean over the quorum, and relays a live site's state to a joiner.
+* :func:`run_site` with an :class:`ElasticDiLoCo`: one site's training
+  (inner steps under ``jit``, the outer step on the mean).
+* ``python -m dadjax.elastic --port 5555 --expected-sites 4``: a lighthouse
+  on its own.
+
+See the guide ``docs/elastic.md``.
+"""
+
+from dadjax.elastic._lighthouse import Lighthouse
+from dadjax.elastic._site import (ElasticDiLoCo, LighthouseUnreachable, SiteRun, SiteState,
+                                  run_site)
+
+__all__ = ["ElasticDiLoCo", "Lighthouse", "LighthouseUnreachable", "SiteRun", "SiteState",
+           "run_site"]

@@ -1,0 +1,290 @@
+"""One site of an elastic DiLoCo run: inner steps under ``jit``, outer steps through the lighthouse.
+
+Each site is its own JAX program (its own devices; one process per site, or
+a thread per site in a test). Every ``every`` inner steps it sends its
+pseudo-gradient ``Delta = anchor - local`` to the
+:class:`~dadjax.elastic.Lighthouse`, gets back the weighted mean over the
+sites present at that round, and applies the outer optimizer to the
+anchor, exactly as :func:`dadjax.local.diloco` does over a mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import socket
+import sys
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dadjax.elastic import _wire
+from dadjax.local import default_outer
+
+_PAYLOAD_DTYPES = ("float32", "bfloat16")
+
+
+class SiteState(NamedTuple):
+  """What a joiner receives from a donor (and what a site checkpoints) at a round boundary.
+
+  Attributes:
+    anchor: the global parameters after the last outer step (the site's
+      local parameters equal them at the boundary).
+    inner_state: the donor's inner optimizer state (a joiner continues with
+      the donor's moments; its own were lost with it).
+    outer_state: the outer optimizer's state (identical on every live site).
+  """
+  anchor: Any
+  inner_state: Any
+  outer_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticDiLoCo:
+  """DiLoCo across sites that come and go (arXiv 2311.08105; torchft's fault-tolerant DiLoCo).
+
+  Args:
+    loss_fn: ``(params, batch) -> scalar loss`` of one site's batch.
+    inner: the local optimizer (no collectives), e.g. ``optax.adamw(1e-3)``.
+    every: ``H``, inner steps per outer step (int >= 1).
+    outer: the outer optimizer (default :func:`dadjax.local.default_outer`,
+      SGD with Nesterov momentum 0.9, lr 0.7).
+    payload_dtype: the pseudo-gradient's dtype on the wire, ``"float32"``
+      (default) or ``"bfloat16"``; the mean is taken in float64.
+  """
+  loss_fn: Callable[[Any, Any], jax.Array]
+  inner: optax.GradientTransformation
+  every: int
+  outer: optax.GradientTransformation | None = None
+  payload_dtype: str = "float32"
+
+  def __post_init__(self):
+    if not (isinstance(self.every, int) and self.every >= 1):
+      raise ValueError(f"every must be an int >= 1, got {self.every!r}")
+    if self.payload_dtype not in _PAYLOAD_DTYPES:
+      raise ValueError(f"payload_dtype must be one of {_PAYLOAD_DTYPES}, "
+                       f"got {self.payload_dtype!r}")
+    for name in ("inner", "outer"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, optax.GradientTransformation):
+        raise ValueError(f"{name} must be an optax.GradientTransformation, got {value!r}")
+
+
+@dataclasses.dataclass
+class SiteRun:
+  """What :func:`run_site` returns.
+
+  Attributes:
+    anchor: the global parameters after the site's last outer step.
+    rows: one dict per outer step the site took part in: ``round``, ``step``
+      (inner steps done), ``quorum`` (the sites averaged), ``dropped``,
+      ``loss`` (the site's mean inner loss over the interval),
+      ``sent_bits`` / ``received_bits`` (payload bits of that exchange).
+    events: the ``dadjax: elastic:`` lines the site printed.
+  """
+  anchor: Any
+  rows: list[dict]
+  events: list[str]
+
+
+class LighthouseUnreachable(ConnectionError):
+  """The lighthouse did not answer (it is the run's single point of failure)."""
+
+
+def _request(address: str, header: dict, arrays=(), timeout_s: float = 600.0):
+  host, port = address.rsplit(":", 1)
+  try:
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+      sent = _wire.send(sock, header, arrays)
+      reply, out = _wire.recv(sock)
+  except (OSError, _wire.WireError) as e:
+    raise LighthouseUnreachable(f"the lighthouse at {address} did not answer a "
+                                f"{header['kind']!r} request: {e}") from e
+  if "error" in reply:
+    raise RuntimeError(f"dadjax: elastic: {reply['error']}")
+  return reply, out, sent
+
+
+def _leaves_as(template_leaves: list, arrays: list[np.ndarray], what: str) -> list:
+  if len(arrays) != len(template_leaves):
+    raise ValueError(f"{what} has {len(arrays)} arrays, this site's state {len(template_leaves)}")
+  out = []
+  for i, (t, a) in enumerate(zip(template_leaves, arrays)):
+    if tuple(a.shape) != tuple(np.shape(t)):
+      raise ValueError(f"{what}: leaf {i} has shape {a.shape}, this site's {np.shape(t)}")
+    out.append(jnp.asarray(a, dtype=jnp.result_type(t)))
+  return out
+
+
+class _Checkpoints:
+  """A site's own synchronous orbax checkpoints of its :class:`SiteState` per round."""
+
+  def __init__(self, directory, every_rounds: int):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    self._ocp = ocp
+    self.every_rounds = every_rounds
+    self.manager = ocp.CheckpointManager(
+        pathlib.Path(directory).resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+
+  def latest(self, template: SiteState) -> tuple[int, SiteState] | None:
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    return step, self.manager.restore(step, args=self._ocp.args.StandardRestore(template))
+
+  def save(self, index: int, state: SiteState) -> None:
+    if index % self.every_rounds == 0:
+      self.manager.save(index, args=self._ocp.args.StandardSave(state))
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], Any], *,
+             lighthouse: str, site: int, steps: int, checkpoint_dir=None,
+             checkpoint_every_rounds: int = 1, timeout_s: float = 600.0,
+             log: Callable[[str], None] | None = None,
+             on_round: Callable[[dict], None] | None = None,
+             on_step: Callable[[int, float], None] | None = None) -> SiteRun:
+  """Trains one site of an elastic DiLoCo run until ``steps`` inner steps are done.
+
+  The site joins through the lighthouse: at the run's start (every site from
+  ``params``), from a live site's state (a restart or a new site: it joins at
+  the next round), or, with no live site, from its own latest checkpoint
+  (else ``params`` at round 0). At each round it sends ``Delta`` and a weight
+  (the rows of its batches since the last round) and applies the mean. A site
+  the lighthouse dropped (its contribution came after ``quorum_timeout_s``)
+  loses that interval's steps and joins again.
+
+  Args:
+    method: the :class:`ElasticDiLoCo` (loss, inner and outer optimizers, H).
+    params: the initial parameters (the same on every site: the same seed).
+    batch_at: ``(site, step) -> batch`` of that site's data at an inner step.
+    lighthouse: ``"host:port"`` of the :class:`~dadjax.elastic.Lighthouse`.
+    site: this site's id (int >= 0); a restart uses the same id.
+    steps: inner steps of the run (a multiple of ``method.every``).
+    checkpoint_dir: where this site keeps its own round checkpoints (orbax,
+      synchronous); ``None``: none.
+    checkpoint_every_rounds: rounds between checkpoints (int >= 1).
+    timeout_s: how long a request to the lighthouse may take, seconds.
+    log: called with each ``dadjax: elastic:`` line (default: stderr).
+    on_round: called with each row of :attr:`SiteRun.rows` as it is made.
+    on_step: called with ``(step, loss)`` after each inner step (it waits for
+      the step's loss: a progress read-out, at the cost of JAX's run-ahead).
+
+  Returns:
+    A :class:`SiteRun`.
+
+  Raises:
+    ValueError: a bad argument, or a donor's state of another shape.
+    LighthouseUnreachable: the lighthouse did not answer.
+  """
+  if not (isinstance(site, int) and site >= 0):
+    raise ValueError(f"site must be an int >= 0, got {site!r}")
+  if not (isinstance(steps, int) and steps >= 0 and steps % method.every == 0):
+    raise ValueError(f"steps must be an int >= 0 and a multiple of every = {method.every}, "
+                     f"got {steps!r}")
+  if not (isinstance(checkpoint_every_rounds, int) and checkpoint_every_rounds >= 1):
+    raise ValueError(f"checkpoint_every_rounds must be an int >= 1, "
+                     f"got {checkpoint_every_rounds!r}")
+  events: list[str] = []
+
+  def say(line: str) -> None:
+    line = f"dadjax: elastic: {line}"
+    events.append(line)
+    (log or (lambda s: print(s, file=sys.stderr, flush=True)))(line)
+
+  inner, outer, every = method.inner, method.outer or default_outer(), method.every
+
+  @jax.jit
+  def inner_step(local, inner_state, batch):
+    loss, grads = jax.value_and_grad(method.loss_fn)(local, batch)
+    updates, inner_state = inner.update(grads, inner_state, local)
+    return optax.apply_updates(local, updates), inner_state, loss
+
+  @jax.jit
+  def outer_step(anchor, outer_state, mean_delta):
+    mean_delta = jax.tree.map(lambda m, a: m.astype(a.dtype), mean_delta, anchor)
+    updates, outer_state = outer.update(mean_delta, outer_state, anchor)
+    return optax.apply_updates(anchor, updates), outer_state
+
+  delta_of = jax.jit(lambda anchor, local: jax.tree.map(jnp.subtract, anchor, local))
+  fresh = SiteState(params, inner.init(params), outer.init(params))
+  template, treedef = jax.tree.leaves(fresh), jax.tree.structure(fresh)
+  anchor_def = jax.tree.structure(params)
+  store = None if checkpoint_dir is None else _Checkpoints(checkpoint_dir, checkpoint_every_rounds)
+
+  def join(own: SiteState, own_round: int, why: str) -> tuple[SiteState, int]:
+    reply, arrays, _ = _request(lighthouse, {"kind": "join", "site": site,
+                                             "alone_round": own_round}, timeout_s=timeout_s)
+    if reply["start"] == "peer":
+      state = jax.tree.unflatten(treedef, _leaves_as(template, arrays, "the donor's state"))
+      say(f"site {site} joined at round {reply['round']} with site {reply['donor']}'s state")
+      return state, reply["round"]
+    if reply["start"] == "alone":
+      say(f"site {site} starts alone at round {own_round} (no live site; {why})")
+    elif own_round:
+      say(f"site {site} resumes at round {own_round} ({why}), as the run re-forms")
+    return own, own_round
+
+  if store is not None and (saved := store.latest(fresh)) is not None:
+    own_round, own = saved
+    origin = f"from its checkpoint of round {own_round}"
+  else:
+    own_round, own, origin = 0, fresh, "from the initial parameters"
+  state, index = join(own, own_round, origin)
+  local = state.anchor
+  rows: list[dict] = []
+  losses: list[jax.Array] = []
+  step = index * every
+  try:
+    while step < steps:
+      batch = batch_at(site, step)
+      local, inner_state, loss = inner_step(local, state.inner_state, batch)
+      state = state._replace(inner_state=inner_state)
+      losses.append(loss)
+      if on_step is not None:
+        on_step(step, float(loss))
+      step += 1
+      if step % every:
+        continue
+      delta = jax.tree.leaves(delta_of(state.anchor, local))
+      weight = float(every * np.shape(jax.tree.leaves(batch)[0])[0])
+      payload = [np.asarray(d).astype(_wire.dtype_of(method.payload_dtype)) for d in delta]
+      reply, mean, sent = _request(lighthouse, {"kind": "sync", "site": site, "round": index,
+                                                "weight": weight}, payload, timeout_s=timeout_s)
+      if reply["status"] == "dropped":
+        say(f"site {site} was dropped from round {index} (its contribution came after the "
+            f"quorum closed); it loses {every} steps and joins again")
+        losses.clear()
+        state, index = join(state, index, "after being dropped")
+        local, step = state.anchor, index * every
+        continue
+      if reply["dropped"]:
+        say(f"round {index}: sites {reply['dropped']} dropped (no contribution in time); the "
+            f"outer mean is over sites {reply['quorum']}")
+      mean_tree = jax.tree.unflatten(anchor_def, [np.asarray(m, np.float32) for m in mean])
+      anchor, outer_state = outer_step(state.anchor, state.outer_state, mean_tree)
+      state = state._replace(anchor=anchor, outer_state=outer_state)
+      local, index = anchor, index + 1
+      row = {"round": index - 1, "step": step, "quorum": reply["quorum"],
+             "dropped": reply["dropped"], "loss": float(np.mean([float(l) for l in losses])),
+             "sent_bits": 8 * sent, "received_bits": 8 * sum(m.nbytes for m in mean)}
+      losses.clear()
+      rows.append(row)
+      if on_round is not None:
+        on_round(row)
+      if reply["donor"]:
+        _request(lighthouse, {"kind": "state", "site": site, "round": index, "step": step},
+                 [np.asarray(x) for x in jax.tree.leaves(state)], timeout_s=timeout_s)
+      if store is not None:
+        store.save(index, state)
+  finally:
+    if store is not None:
+      store.close()
+  _request(lighthouse, {"kind": "leave", "site": site}, timeout_s=timeout_s)
+  return SiteRun(state.anchor, rows, events)
