@@ -23,6 +23,12 @@ writes one table per model of all of them (docs/results.md's):
     python experiments/pod_compile.py --from-json \
         --name pod_compile_gpt_125m,pod_compile_gpt_1b --summary pod_compile_gpt
 
+``--update`` compiles the named cells again and replaces them in the saved run (after a
+change to a method), e.g.:
+
+    python experiments/pod_compile.py --update --name pod_compile_gpt_1b --models gpt_1b \
+        --methods sparseloco:50,demo
+
 Needs libtpu (``pip install -e ".[tpu]"``).
 """
 
@@ -138,6 +144,11 @@ def render_summary(rows: list[dict], commands: list[str]) -> str:
   return "\n".join(out) + "\n\nCommands: " + "; ".join(f"`{c}`" for c in commands) + "\n"
 
 
+def _commands(saved: dict) -> str:
+  """The run's command, then those that compiled some of its cells again."""
+  return "`; `".join([saved["command"], *saved.get("updates", [])])
+
+
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["--child"]:
@@ -160,32 +171,44 @@ def main(argv=None) -> int:
                  help="render OUT/NAME.json again (NAME: comma-separated names)")
   p.add_argument("--summary", help="with --from-json: also write OUT/SUMMARY.md, one table "
                  "per model of every named run")
+  p.add_argument("--update", action="store_true",
+                 help="compile only the given cells again and replace them in OUT/NAME.json "
+                      "(the command is kept with the run's)")
   args = p.parse_args(argv)
   out = pathlib.Path(args.out)
   command = "python experiments/pod_compile.py " + " ".join(argv)
   if args.from_json:
     runs = [json.loads((out / f"{name}.json").read_text()) for name in args.name.split(",")]
     for name, saved in zip(args.name.split(","), runs):
-      (out / f"{name}.md").write_text(render(saved["rows"], args.ratios, saved["command"],
+      (out / f"{name}.md").write_text(render(saved["rows"], args.ratios, _commands(saved),
                                              args.unit))
     if args.summary:
       (out / f"{args.summary}.md").write_text(render_summary(
-          [r for saved in runs for r in saved["rows"]], [saved["command"] for saved in runs]))
+          [r for saved in runs for r in saved["rows"]],
+          [c for saved in runs for c in [saved["command"], *saved.get("updates", [])]]))
     return 0
-  rows = []
+  saved = (json.loads((out / f"{args.name}.json").read_text()) if args.update
+           else {"command": command, "rows": []})
+  if args.update:
+    saved["updates"] = saved.get("updates", []) + [command]
+  rows = saved["rows"]
   from dadjax.registry import split_specs  # pylint: disable=g-import-not-at-top
   for topo in args.topologies.split(","):
     name, _, slices = topo.rpartition(":")
     for model in args.models.split(","):
       for method in split_specs(args.methods):
         row = _child(args, model, method, name, int(slices))
-        rows.append(row)
+        same = [i for i, r in enumerate(rows) if (r["model"], r["method"], r["topology"]) ==
+                (row["model"], row["method"], row["topology"])]
+        if same:
+          rows[same[0]] = row
+        else:
+          rows.append(row)
         print(json.dumps({k: row.get(k) for k in ("model", "topology", "method", "total_bytes",
                                                     "temp_bytes", "dcn_bytes", "compile_s",
                                                     "error")}), flush=True)
-        (out / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows},
-                                                          indent=1))
-  (out / f"{args.name}.md").write_text(render(rows, args.ratios, command, args.unit))
+        (out / f"{args.name}.json").write_text(json.dumps(saved, indent=1))
+  (out / f"{args.name}.md").write_text(render(rows, args.ratios, _commands(saved), args.unit))
   return 0
 
 

@@ -1,7 +1,7 @@
 """One site of an elastic DiLoCo run, as its own process (tests/test_elastic.py starts 2-4).
 
     python tests/elastic_worker.py ADDRESS SITE --steps 60 --every 5 [--die-in-sync ROUND]
-        [--checkpoint DIR] [--step-sleep S]
+        [--checkpoint DIR] [--step-sleep S] [--compressor SPEC]
 
 A small MLP regression; each site's rows come from its own slice of one synthetic
 problem (so the sites' data differ). Prints one JSON line per round on stdout and the
@@ -48,9 +48,10 @@ def batch_at(site: int, step: int):
   return {"x": x, "y": y}
 
 
-def method(every: int) -> elastic.ElasticDiLoCo:
+def method(every: int, compressor=None) -> elastic.ElasticDiLoCo:
   return elastic.ElasticDiLoCo(loss_fn, optax.adam(1e-2), every,
-                               outer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+                               outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+                               compressor=compressor)
 
 
 def main() -> int:
@@ -62,6 +63,7 @@ def main() -> int:
   p.add_argument("--die-in-sync", type=int, default=-1)
   p.add_argument("--checkpoint", default=None)
   p.add_argument("--step-sleep", type=float, default=0.0)
+  p.add_argument("--compressor", default=None)
   args = p.parse_args()
 
   if args.die_in_sync >= 0:  # send round R's contribution, then die before the reply
@@ -85,7 +87,7 @@ def main() -> int:
       time.sleep(args.step_sleep)
     return batch_at(site, step)
 
-  run = elastic.run_site(method(args.every), init_params(), slow_batch,
+  run = elastic.run_site(method(args.every, args.compressor), init_params(), slow_batch,
                          lighthouse=args.address, site=args.site, steps=args.steps,
                          checkpoint_dir=args.checkpoint,
                          on_round=lambda row: print(json.dumps(row), flush=True))

@@ -78,6 +78,67 @@ def test_bf16_payload_halves_the_bits_and_stays_close():
   np.testing.assert_array_equal(_flat(runs[0].anchor), _flat(runs[1].anchor))
 
 
+def test_topk_at_ratio_one_equals_the_dense_exchange():
+  dense = elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.adam(1e-2), 2)
+  full = elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.adam(1e-2), 2, compressor="topk:1.0")
+  finals = []
+  for method in (dense, full):
+    with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+      runs = _sites_in_threads(lighthouse.address, method, 6)
+    finals.append(_flat(runs[0].anchor))
+  np.testing.assert_allclose(finals[1], finals[0], rtol=1e-5, atol=1e-6)
+
+
+def test_error_feedback_topk_sends_its_payload_and_every_site_decodes_the_same_mean():
+  method = elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.adam(1e-2), 2,
+                                 compressor="ef(topk:0.1)")
+  with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+    runs = _sites_in_threads(lighthouse.address, method, 8)
+  n = _flat(runs[0].anchor).size
+  for run in runs.values():
+    np.testing.assert_array_equal(_flat(run.anchor), _flat(runs[0].anchor))
+    for row in run.rows:  # ~10% of the entries as values and indices, under a third of fp32
+      assert 0 < row["sent_bits"] < 32 * n / 3
+      assert row["received_bits"] == 3 * row["sent_bits"]  # the quorum's payloads
+  # each site's memory keeps what it did not send: its own, not zero, not another site's
+  memories = [_flat(runs[s].state.codec_state.memory) for s in range(3)]
+  assert all(np.abs(m).sum() > 0 for m in memories)
+  assert not np.array_equal(memories[0], memories[1])
+
+
+def test_sparseloco_keeping_every_entry_with_no_decay_is_the_dense_mean():
+  loss, inner = elastic_worker.loss_fn, optax.adam(1e-2)
+  dense = elastic.ElasticDiLoCo(loss, inner, 2, outer=optax.sgd(1.0))
+  full = elastic.sparseloco(loss, inner, 2, k=16, chunk=4, values=None, decay=0.0)
+  finals = []
+  for method in (dense, full):
+    with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+      runs = _sites_in_threads(lighthouse.address, method, 6)
+    finals.append(_flat(runs[0].anchor))
+  np.testing.assert_allclose(finals[1], finals[0], rtol=1e-5, atol=1e-6)
+
+
+def test_sparseloco_sends_a_chunked_payload_and_keeps_a_decaying_memory():
+  method = elastic.sparseloco(elastic_worker.loss_fn, optax.adam(1e-2), 2, k=2, chunk=4)
+  with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+    runs = _sites_in_threads(lighthouse.address, method, 8)
+  n = _flat(runs[0].anchor).size
+  assert all(0 < r["sent_bits"] < 32 * n / 4 for r in runs[0].rows)  # 2 of 16, 2-bit values
+  for run in runs.values():
+    np.testing.assert_array_equal(_flat(run.anchor), _flat(runs[0].anchor))
+    assert isinstance(run.state.codec_state, elastic.DecayingMemory)
+    assert np.abs(_flat(run.state.codec_state.memory)).sum() > 0
+  with pytest.raises(ValueError, match="decay must be None or a number in"):
+    elastic.sparseloco(elastic_worker.loss_fn, optax.sgd(0.1), 2, decay=1.5)
+  with pytest.raises(ValueError, match="decay needs a compressor"):
+    elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.sgd(0.1), 2, decay=0.5)
+
+
+def test_a_compressor_that_is_not_one_is_refused():
+  with pytest.raises(ValueError, match="compressor must be None, a dadjax Compressor"):
+    elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.sgd(0.1), 2, compressor=3)
+
+
 def _contribute(address, site, index, weight, value, out):
   def go():
     reply, arrays, _ = elastic._site._request(
@@ -321,12 +382,13 @@ def test_a_loss_during_a_synchronization_and_two_losses_in_a_row(sites):
 
 @pytest.mark.slow  # about 25 s
 def test_a_join_while_another_leaves(sites):
+  # with an error-feedback compressor: the joiner starts its own memory, the donor keeps its
   run = sites(2)
-  run.start("s0", 0)
-  run.start("s1", 1)
+  run.start("s0", 0, "--compressor", "ef(topk:0.1)")
+  run.start("s1", 1, "--compressor", "ef(topk:0.1)")
   run.wait_for_round("s0", 2)
   run.kill("s1")
-  run.start("s3", 3)  # a new site at the same moment
+  run.start("s3", 3, "--compressor", "ef(topk:0.1)")  # a new site at the same moment
   finals = run.finish("s0", "s3")
   np.testing.assert_array_equal(finals["s0"], finals["s3"])
   quorums = [r["quorum"] for r in run.rows["s0"] if "quorum" in r]

@@ -238,3 +238,24 @@ def test_declared_chain_averages_the_sites_adam_updates_and_the_plain_one_is_ref
     _train(plain, 1)
   with pytest.raises(ValueError, match="tx must be an optax GradientTransformation"):
     dadjax.after_local_state("allreduce")
+
+
+@pytest.mark.parametrize("k, chunk", [(3, 4), (5, 4), (10, 4), (16, 4), (2, 8)])
+def test_chunk_selection_is_the_catalogs_topk_on_every_chunk(k, chunk):
+  # The sort that replaced top_k + gather (which the TPU partitioner aborted on) keeps the
+  # catalog's set and order: largest magnitude first, ties to the lower position, NaN kept
+  # first; above half a chunk, ascending positions.
+  from dadjax.local._chunked import _Chunked, _select
+  from dadjax.local._dct import chunk_layout, to_chunks
+  rng = np.random.default_rng(k)
+  x = rng.integers(-3, 4, size=(8, 8)).astype(np.float32)  # many ties
+  x[1, 2] = np.nan
+  layout = chunk_layout(x.shape, chunk)
+  rows = to_chunks(jnp.asarray(x), layout)
+  values, positions = _select(_Chunked(k, chunk, False, None, "t"), rows, layout)
+  kept = min(k, layout.size)
+  top = dadjax.topk(kept / layout.size)
+  for i in range(rows.shape[0]):
+    want = top.compress(rows[i], dadjax.compress.EmptyState(), jax.random.key(0))[0][0]
+    np.testing.assert_array_equal(positions[i], want.indices)
+    np.testing.assert_array_equal(values[i], want.values)

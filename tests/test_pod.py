@@ -5,6 +5,8 @@ The TPU cases need libtpu (``pip install -e ".[tpu]"``, which CI installs) and a
 with that reason without it; everything else runs on the 8 forced CPU devices."""
 import json
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +114,27 @@ def test_compile_command_prints_the_compilers_report_as_json(tmp_path, capsys):
   assert out["dcn_bytes"] > 0 and out["total_bytes"] == (
       out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
       + out["code_bytes"])
+
+
+@needs_libtpu
+@pytest.mark.parametrize("method", ["sparseloco:50"])
+def test_chunked_top_k_on_a_thousand_chips_compiles_where_xla_aborted(tmp_path, method):
+  # SparseLoCo's step for an MLP whose kernels are FSDP-split over the 256 chips of each of 4
+  # v5e-256 slices aborted the process in the TPU compiler's SPMD partitioner (Check failed:
+  # partition_group_list.num_replica_groups() * ... in PartitionGather): the chunks' batched
+  # top-k gather and the positions' flat bit packing. In a process of its own, so that a
+  # return of the abort fails this test instead of ending the suite.
+  config = tmp_path / "mlp.toml"
+  config.write_text('dataset = "synthetic"\ndataset_kwargs = {shape = [1024], num_classes = 16, '
+                    'num_train = 64, num_test = 16}\nmodel = "mlp"\nmodel_kwargs = {hidden = '
+                    '[2048, 2048]}\nnum_sites = 2\nper_site = 16\nshard_params = true\n'
+                    'backend = "shard_map"\nbatch_per_site = 32\n')
+  run = subprocess.run([sys.executable, "-m", "dadjax.cli", "compile", str(config), "--topology",
+                        "v5e:16x16", "--slices", "4", "--json", f"method={method}"],
+                       capture_output=True, text=True, timeout=600, check=False)
+  assert run.returncode == 0, run.stderr[-2000:]
+  out = json.loads(run.stdout)
+  assert out["mesh"] == {"data": 4, "fsdp": 256} and out["fits"]
 
 
 def test_compile_command_on_host_devices_and_its_errors(tmp_path, capsys):

@@ -9,7 +9,8 @@ elastic run is its own JAX program, and the outer step goes through a
   a site that does not contribute within ``quorum_timeout_s``), returns the
   weighted mean over the quorum, and relays a live site's state to a joiner.
 * :func:`run_site` with an :class:`ElasticDiLoCo`: one site's training
-  (inner steps under ``jit``, the outer step on the mean).
+  (inner steps under ``jit``, the outer step on the mean), fp32, bf16 or
+  through a dadjax compressor; :func:`sparseloco` its SparseLoCo form.
 * ``python -m dadjax.elastic --port 5555 --expected-sites 4``: a lighthouse
   on its own.
 
@@ -17,8 +18,8 @@ See the guide ``docs/elastic.md``.
 """
 
 from dadjax.elastic._lighthouse import Lighthouse
-from dadjax.elastic._site import (ElasticDiLoCo, LighthouseUnreachable, SiteRun, SiteState,
-                                  run_site)
+from dadjax.elastic._site import (DecayingMemory, ElasticDiLoCo, LighthouseUnreachable, SiteRun,
+                                  SiteState, run_site, sparseloco)
 
-__all__ = ["ElasticDiLoCo", "Lighthouse", "LighthouseUnreachable", "SiteRun", "SiteState",
-           "run_site"]
+__all__ = ["DecayingMemory", "ElasticDiLoCo", "Lighthouse", "LighthouseUnreachable", "SiteRun",
+           "SiteState", "run_site", "sparseloco"]

@@ -20,7 +20,9 @@ state of its own: a joiner's state always comes from a live site, or, when
 no site is live, from the joiner's own checkpoint.
 
 The mean is a star exchange (every site sends its payload to the lighthouse
-and receives the mean), accumulated in float64.
+and receives the mean), accumulated in float64. A compressed payload (a
+dadjax compressor's codes) is gathered instead: every site receives the
+quorum's payloads and weights and decodes them itself.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class _Round:
   index: int
   arrivals: dict[int, tuple[float, list[np.ndarray]]] = dataclasses.field(default_factory=dict)
   first_at: float | None = None
+  gather: bool | None = None  # set by the first contribution: every site's, or the mean
 
 
 @dataclasses.dataclass
@@ -48,7 +51,8 @@ class _Closed:
   index: int
   quorum: list[int]
   dropped: list[int]
-  mean: list[np.ndarray]
+  mean: list[np.ndarray]  # the weighted mean; in a gathering round, every payload in order
+  weights: list[float]
   donor: int | None
   joiners: list[int]
 
@@ -200,15 +204,23 @@ class Lighthouse:
     self._last_heard = time.monotonic()
     self._cond.notify_all()
 
-  def sync(self, site: int, index: int, weight: float, arrays: list[np.ndarray]
-           ) -> tuple[dict, list[np.ndarray]]:
-    """A member's contribution to round ``index``; returns that round's outcome."""
+  def sync(self, site: int, index: int, weight: float, arrays: list[np.ndarray],
+           gather: bool = False) -> tuple[dict, list[np.ndarray]]:
+    """A member's contribution to round ``index``; returns that round's outcome: the weighted
+    mean of the quorum's arrays, or with ``gather`` (a compressed payload, which only the
+    sites can decode) every quorum member's arrays in site order and their weights."""
     if not (np.isfinite(weight) and weight > 0):
       return {"error": f"weight must be a finite number > 0, got {weight!r}"}, []
     with self._cond:
       if site not in self._members or index != self._round.index:
         return {"status": "dropped", "round": self._round.index}, []
       current = self._round
+      if current.gather is None:
+        current.gather = bool(gather)
+      if current.gather != bool(gather):
+        return {"error": f"site {site} sends {'a compressed' if gather else 'a mean'} payload "
+                         f"to a round whose first site sent "
+                         f"{'a compressed' if current.gather else 'a mean'} one"}, []
       if current.arrivals:
         _, first = next(iter(current.arrivals.values()))
         shapes = [(a.shape, a.dtype.name) for a in arrays]
@@ -231,8 +243,12 @@ class Lighthouse:
       closed = self._closed.get(index)
       if closed is None or site not in closed.quorum:
         return {"status": "dropped", "round": self._round.index}, []
-      return {"status": "ok", "round": index, "quorum": closed.quorum, "dropped": closed.dropped,
-              "donor": closed.donor == site, "joiners": closed.joiners}, closed.mean
+      reply = {"status": "ok", "round": index, "quorum": closed.quorum,
+               "dropped": closed.dropped, "donor": closed.donor == site,
+               "joiners": closed.joiners}
+      if current.gather:
+        reply["weights"] = closed.weights
+      return reply, closed.mean
 
   def relay(self, site: int, header: dict, arrays: list[np.ndarray]) -> dict:
     """The donor's state after round ``header['round'] - 1``, for every waiting joiner."""
@@ -261,14 +277,17 @@ class Lighthouse:
     # in site order, not arrival order: the same quorum gives the same mean, bit for bit
     arrivals = [current.arrivals[s] for s in quorum]
     total = sum(w for w, _ in arrivals)
-    mean = [np.asarray(sum(np.asarray(arrs[i], np.float64) * (w / total) for w, arrs in arrivals),
-                       arrivals[0][1][i].dtype)
-            for i in range(len(arrivals[0][1]))]
+    if current.gather:
+      mean = [a for _, arrs in arrivals for a in arrs]
+    else:
+      mean = [np.asarray(sum(np.asarray(arrs[i], np.float64) * (w / total)
+                             for w, arrs in arrivals), arrivals[0][1][i].dtype)
+              for i in range(len(arrivals[0][1]))]
     self._members = set(quorum)
     donor = quorum[0] if self._joiners else None
     self._closed = {i: c for i, c in self._closed.items() if i == current.index - 1}
-    self._closed[current.index] = _Closed(current.index, quorum, dropped, mean, donor,
-                                          sorted(self._joiners))
+    self._closed[current.index] = _Closed(current.index, quorum, dropped, mean,
+                                          [w for w, _ in arrivals], donor, sorted(self._joiners))
     now = time.monotonic()
     if self._closed_at is not None:
       self._interval_s = now - self._closed_at
@@ -295,7 +314,8 @@ class _Handler(socketserver.BaseRequestHandler):
         reply, out = self.lighthouse.join(int(header["site"]), int(header["alone_round"]))
       elif kind == "sync":
         reply, out = self.lighthouse.sync(int(header["site"]), int(header["round"]),
-                                          float(header["weight"]), arrays)
+                                          float(header["weight"]), arrays,
+                                          bool(header.get("gather", False)))
       elif kind == "leave":
         reply, out = self.lighthouse.leave(int(header["site"])), []
       elif kind == "state":

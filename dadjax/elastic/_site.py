@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dadjax.compress import Compressor, Keys, step_keys
 from dadjax.elastic import _wire
 from dadjax.local import default_outer
 
@@ -36,10 +37,15 @@ class SiteState(NamedTuple):
     inner_state: the donor's inner optimizer state (a joiner continues with
       the donor's moments; its own were lost with it).
     outer_state: the outer optimizer's state (identical on every live site).
+    codec_state: the compressor's state (an error-feedback memory: this
+      site's own unsent residual); ``()`` without a compressor. A joiner's is
+      reset to the compressor's ``init``, never copied from the donor (the
+      donor's residual is the donor's to send). A site's own checkpoint keeps it.
   """
   anchor: Any
   inner_state: Any
   outer_state: Any
+  codec_state: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +58,32 @@ class ElasticDiLoCo:
     every: ``H``, inner steps per outer step (int >= 1).
     outer: the outer optimizer (default :func:`dadjax.local.default_outer`,
       SGD with Nesterov momentum 0.9, lr 0.7).
-    payload_dtype: the pseudo-gradient's dtype on the wire, ``"float32"``
-      (default) or ``"bfloat16"``; the mean is taken in float64.
+    payload_dtype: the pseudo-gradient's dtype on the wire without a
+      compressor, ``"float32"`` (default) or ``"bfloat16"``; the lighthouse
+      takes the mean in float64.
+    compressor: ``None``, or a one-round dadjax compressor (or its spec) for
+      the pseudo-gradient: ``"qsgd:4"``, ``"ef(topk:0.01)"``, ``"sign"``...
+      Each site sends its ``compress`` payload; every site receives the
+      quorum's payloads and decodes their weighted mean itself (the
+      compressor's ``aggregate``, e.g. sign's vote, where it has one: one
+      vote per site), the one-round protocol of
+      :func:`dadjax.compress.one_round_exchange`. A compressor with a
+      multi-round exchange of its own runs as its one-site codec: PowerSGD
+      sends each site's own rank-r factors (no shared basis, so the mean is
+      of N rank-r approximations), the two-phase all-reduce its codes.
+    seed: the compressor's randomness (the same on every site).
+    decay: ``None``, or SparseLoCo's decaying memory ``beta`` in [0, 1] (needs
+      a compressor): each round the site sends ``C(e)`` of
+      ``e <- decay * e + Delta`` and keeps ``e - C(e)`` (see :func:`sparseloco`).
   """
   loss_fn: Callable[[Any, Any], jax.Array]
   inner: optax.GradientTransformation
   every: int
   outer: optax.GradientTransformation | None = None
   payload_dtype: str = "float32"
+  compressor: Compressor | str | None = None
+  seed: int = 0
+  decay: float | None = None
 
   def __post_init__(self):
     if not (isinstance(self.every, int) and self.every >= 1):
@@ -71,6 +95,122 @@ class ElasticDiLoCo:
       value = getattr(self, name)
       if value is not None and not isinstance(value, optax.GradientTransformation):
         raise ValueError(f"{name} must be an optax.GradientTransformation, got {value!r}")
+    object.__setattr__(self, "compressor", _one_round(self.compressor))
+    if self.decay is not None:
+      if self.compressor is None:
+        raise ValueError("decay needs a compressor (the memory keeps what it did not send)")
+      if isinstance(self.decay, bool) or not (isinstance(self.decay, (int, float))
+                                              and 0 <= self.decay <= 1):
+        raise ValueError(f"decay must be None or a number in [0, 1], got {self.decay!r}")
+
+
+def sparseloco(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransformation,
+               every: int, *, k: int = 64, chunk: int = 64, values: Any = "terngrad",
+               decay: float = 0.95, outer_lr: float = 1.0, seed: int = 0) -> ElasticDiLoCo:
+  """SparseLoCo across sites that come and go: :func:`dadjax.local.sparseloco`'s exchange.
+
+  Every ``every`` inner steps each site folds its pseudo-gradient into its memory
+  (``e <- decay * e + Delta``), sends the ``k`` largest entries of every
+  ``chunk x chunk`` block of ``e`` (values through ``values``, 2-bit ``terngrad`` by
+  default; :func:`dadjax.local.chunked_topk`) and keeps the rest; the outer step is plain
+  SGD with ``outer_lr`` on the sites' mean. A joiner's memory starts at zero.
+
+  References:
+    A. Sarfi, B. Therien, J. Lidin, E. Belilovsky, "Communication Efficient LLM
+    Pre-training with SparseLoCo", 2025 (https://arxiv.org/abs/2508.15706).
+  """
+  from dadjax.local import chunked_topk  # pylint: disable=g-import-not-at-top
+  values = _one_round(values) if values is not None else None
+  return ElasticDiLoCo(loss_fn, inner, every, outer=optax.sgd(outer_lr),
+                       compressor=chunked_topk(k, chunk, values=values), seed=seed, decay=decay)
+
+
+def _one_round(compressor) -> Compressor | None:
+  """The compressor of a spec (a ``ValueError`` for anything that is not one)."""
+  if isinstance(compressor, str):
+    from dadjax.registry import get_compressor  # pylint: disable=g-import-not-at-top
+    compressor = get_compressor(compressor)
+  if compressor is not None and not isinstance(compressor, Compressor):
+    raise ValueError(f"compressor must be None, a dadjax Compressor or its spec, got "
+                     f"{compressor!r}")
+  return compressor
+
+
+def round_keys(seed: int, index: int, site: int) -> Keys:
+  """A round's compressor keys: ``shared`` equal on every site, ``site`` this site's own."""
+  keys = step_keys(seed, jnp.int32(index), None)
+  return Keys(keys.shared, jax.random.fold_in(keys.site, site))
+
+
+class _Dense(NamedTuple):
+  """fp32 / bf16 pseudo-gradients: the lighthouse returns their weighted mean."""
+  dtype: np.dtype
+
+  gather = False
+
+  def encode(self, delta, codec_state, index, site):
+    leaves, treedef = jax.tree.flatten(delta)
+    return [np.asarray(d).astype(self.dtype) for d in leaves], treedef, codec_state
+
+  def decode(self, reply, arrays, treedef, like, index, site):
+    return jax.tree.unflatten(treedef, [np.asarray(m, np.float32) for m in arrays])
+
+
+class DecayingMemory(NamedTuple):
+  """The codec state with ``decay``: the memory ``e`` and the compressor's own state."""
+  memory: Any
+  inner: Any
+
+
+class _Compressed(NamedTuple):
+  """A compressor's payloads: gathered by the lighthouse, decoded here."""
+  compressor: Compressor
+  seed: int
+  compress: Callable
+  combine: Callable
+
+  @staticmethod
+  def init(compressor: Compressor, decay: float | None, params):
+    state = compressor.init(params)
+    if decay is None:
+      return state
+    return DecayingMemory(jax.tree.map(jnp.zeros_like, params), state)
+
+  @classmethod
+  def of(cls, compressor: Compressor, seed: int, decay: float | None = None) -> "_Compressed":
+    if decay is None:
+      compress = jax.jit(compressor.compress)
+    else:
+      @jax.jit
+      def compress(delta, state, keys):  # SparseLoCo's: send C(e), keep e - C(e)
+        e = jax.tree.map(lambda m, d: decay * m + d, state.memory, delta)
+        payload, inner = compressor.compress(e, state.inner, keys)
+        sent = compressor.decompress(payload, e, keys)
+        return payload, DecayingMemory(jax.tree.map(jnp.subtract, e, sent), inner)
+
+    @jax.jit
+    def combine(gathered, weights, like, keys):
+      if compressor.aggregate is not None:
+        return compressor.aggregate(gathered, like, keys)
+      decoded = jax.vmap(lambda p: compressor.decompress(p, like, keys))(gathered)
+      w = weights / jnp.sum(weights)
+      return jax.tree.map(lambda d: jnp.tensordot(w, d.astype(jnp.float32), axes=1), decoded)
+
+    return cls(compressor, seed, compress, combine)
+
+  gather = True
+
+  def encode(self, delta, codec_state, index, site):
+    payload, codec_state = self.compress(delta, codec_state, round_keys(self.seed, index, site))
+    leaves, treedef = jax.tree.flatten(payload)
+    return [np.asarray(x) for x in leaves], treedef, codec_state
+
+  def decode(self, reply, arrays, treedef, like, index, site):
+    """``arrays``: the quorum's payloads in site order, each with this site's structure."""
+    n = treedef.num_leaves
+    gathered = jax.tree.unflatten(treedef, [np.stack(arrays[i::n]) for i in range(n)])
+    return self.combine(gathered, jnp.asarray(reply["weights"], jnp.float32), like,
+                        round_keys(self.seed, index, site))
 
 
 @dataclasses.dataclass
@@ -79,6 +219,7 @@ class SiteRun:
 
   Attributes:
     anchor: the global parameters after the site's last outer step.
+    state: the site's whole :class:`SiteState` then (its compressor's memory too).
     rows: one dict per outer step the site took part in: ``round``, ``step``
       (inner steps done), ``quorum`` (the sites averaged), ``dropped``,
       ``loss`` (the site's mean inner loss over the interval),
@@ -86,6 +227,7 @@ class SiteRun:
     events: the ``dadjax: elastic:`` lines the site printed.
   """
   anchor: Any
+  state: SiteState
   rows: list[dict]
   events: list[str]
 
@@ -213,16 +355,21 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
     return optax.apply_updates(anchor, updates), outer_state
 
   delta_of = jax.jit(lambda anchor, local: jax.tree.map(jnp.subtract, anchor, local))
-  fresh = SiteState(params, inner.init(params), outer.init(params))
-  template, treedef = jax.tree.leaves(fresh), jax.tree.structure(fresh)
-  anchor_def = jax.tree.structure(params)
+  codec = (_Dense(_wire.dtype_of(method.payload_dtype)) if method.compressor is None
+           else _Compressed.of(method.compressor, method.seed, method.decay))
+  fresh = SiteState(params, inner.init(params), outer.init(params),
+                    () if method.compressor is None
+                    else _Compressed.init(method.compressor, method.decay, params))
+  # a joiner receives all but the compressor's state, which it starts afresh
+  template, treedef = jax.tree.leaves(fresh[:3]), jax.tree.structure(tuple(fresh[:3]))
   store = None if checkpoint_dir is None else _Checkpoints(checkpoint_dir, checkpoint_every_rounds)
 
   def join(own: SiteState, own_round: int, why: str) -> tuple[SiteState, int]:
     reply, arrays, _ = _request(lighthouse, {"kind": "join", "site": site,
                                              "alone_round": own_round}, timeout_s=timeout_s)
     if reply["start"] == "peer":
-      state = jax.tree.unflatten(treedef, _leaves_as(template, arrays, "the donor's state"))
+      received = jax.tree.unflatten(treedef, _leaves_as(template, arrays, "the donor's state"))
+      state = SiteState(*received, fresh.codec_state)
       say(f"site {site} joined at round {reply['round']} with site {reply['donor']}'s state")
       return state, reply["round"]
     if reply["start"] == "alone":
@@ -252,12 +399,13 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
       step += 1
       if step % every:
         continue
-      delta = jax.tree.leaves(delta_of(state.anchor, local))
       weight = float(every * np.shape(jax.tree.leaves(batch)[0])[0])
-      payload = [np.asarray(d).astype(_wire.dtype_of(method.payload_dtype)) for d in delta]
-      reply, mean, sent = _request(lighthouse, {"kind": "sync", "site": site, "round": index,
-                                                "weight": weight}, payload, timeout_s=timeout_s)
-      if reply["status"] == "dropped":
+      payload, payload_def, codec_state = codec.encode(delta_of(state.anchor, local),
+                                                       state.codec_state, index, site)
+      reply, received, sent = _request(
+          lighthouse, {"kind": "sync", "site": site, "round": index, "weight": weight,
+                       "gather": codec.gather}, payload, timeout_s=timeout_s)
+      if reply["status"] == "dropped":  # (its memory as before the round: nothing was sent)
         say(f"site {site} was dropped from round {index} (its contribution came after the "
             f"quorum closed); it loses {every} steps and joins again")
         losses.clear()
@@ -267,24 +415,25 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
       if reply["dropped"]:
         say(f"round {index}: sites {reply['dropped']} dropped (no contribution in time); the "
             f"outer mean is over sites {reply['quorum']}")
-      mean_tree = jax.tree.unflatten(anchor_def, [np.asarray(m, np.float32) for m in mean])
-      anchor, outer_state = outer_step(state.anchor, state.outer_state, mean_tree)
-      state = state._replace(anchor=anchor, outer_state=outer_state)
+      mean = codec.decode(reply, received, payload_def, state.anchor, index, site)
+      anchor, outer_state = outer_step(state.anchor, state.outer_state, mean)
+      state = SiteState(anchor, state.inner_state, outer_state, codec_state)
       local, index = anchor, index + 1
       row = {"round": index - 1, "step": step, "quorum": reply["quorum"],
              "dropped": reply["dropped"], "loss": float(np.mean([float(l) for l in losses])),
-             "sent_bits": 8 * sent, "received_bits": 8 * sum(m.nbytes for m in mean)}
+             "sent_bits": 8 * sent, "received_bits": 8 * sum(m.nbytes for m in received)}
       losses.clear()
       rows.append(row)
       if on_round is not None:
         on_round(row)
       if reply["donor"]:
         _request(lighthouse, {"kind": "state", "site": site, "round": index, "step": step},
-                 [np.asarray(x) for x in jax.tree.leaves(state)], timeout_s=timeout_s)
+                 [np.asarray(x) for x in jax.tree.leaves(tuple(state[:3]))],
+                 timeout_s=timeout_s)
       if store is not None:
         store.save(index, state)
   finally:
     if store is not None:
       store.close()
   _request(lighthouse, {"kind": "leave", "site": site}, timeout_s=timeout_s)
-  return SiteRun(state.anchor, rows, events)
+  return SiteRun(state.anchor, state, rows, events)
