@@ -74,7 +74,7 @@ def main() -> int:
         import socket  # pylint: disable=g-import-not-at-top
         host, port = address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
-        _site._wire.send(sock, header, arrays)
+        _site.send(sock, header, arrays)
         print(json.dumps({"dying_in_sync": header["round"]}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
       return request(address, header, arrays, timeout_s)

@@ -33,7 +33,7 @@ import threading
 import time
 import numpy as np
 
-from dadjax.elastic import _wire
+from dadjax.elastic._wire import WireError, recv, send
 
 
 @dataclasses.dataclass
@@ -308,7 +308,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
   def handle(self) -> None:
     try:
-      header, arrays = _wire.recv(self.request)
+      header, arrays = recv(self.request)
       kind = header.get("kind")
       if kind == "join":
         reply, out = self.lighthouse.join(int(header["site"]), int(header["alone_round"]))
@@ -322,6 +322,6 @@ class _Handler(socketserver.BaseRequestHandler):
         reply, out = self.lighthouse.relay(int(header["site"]), header, arrays), []
       else:
         reply, out = {"error": f"unknown request {kind!r}"}, []
-      _wire.send(self.request, reply, out)
-    except (OSError, _wire.WireError):
+      send(self.request, reply, out)
+    except (OSError, WireError):
       pass  # the site is gone mid-request: the quorum handles its absence

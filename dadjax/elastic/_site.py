@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from dadjax.compress import Compressor, Keys, step_keys
-from dadjax.elastic import _wire
+from dadjax.elastic._wire import WireError, dtype_of, recv, send
 from dadjax.local import default_outer
 
 _PAYLOAD_DTYPES = ("float32", "bfloat16")
@@ -240,9 +240,9 @@ def _request(address: str, header: dict, arrays=(), timeout_s: float = 600.0):
   host, port = address.rsplit(":", 1)
   try:
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-      sent = _wire.send(sock, header, arrays)
-      reply, out = _wire.recv(sock)
-  except (OSError, _wire.WireError) as e:
+      sent = send(sock, header, arrays)
+      reply, out = recv(sock)
+  except (OSError, WireError) as e:
     raise LighthouseUnreachable(f"the lighthouse at {address} did not answer a "
                                 f"{header['kind']!r} request: {e}") from e
   if "error" in reply:
@@ -286,6 +286,36 @@ class _Checkpoints:
     self.manager.close()
 
 
+def _check_run(method: ElasticDiLoCo, site, steps, checkpoint_every_rounds) -> None:
+  """:func:`run_site`'s argument checks (a ``ValueError`` naming the argument)."""
+  if not (isinstance(site, int) and site >= 0):
+    raise ValueError(f"site must be an int >= 0, got {site!r}")
+  if not (isinstance(steps, int) and steps >= 0 and steps % method.every == 0):
+    raise ValueError(f"steps must be an int >= 0 and a multiple of every = {method.every}, "
+                     f"got {steps!r}")
+  if not (isinstance(checkpoint_every_rounds, int) and checkpoint_every_rounds >= 1):
+    raise ValueError(f"checkpoint_every_rounds must be an int >= 1, "
+                     f"got {checkpoint_every_rounds!r}")
+
+
+def _steps(loss_fn, inner: optax.GradientTransformation, outer: optax.GradientTransformation):
+  """The site's two jitted steps: an inner optimizer step, and the outer step on the mean."""
+
+  @jax.jit
+  def inner_step(local, inner_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+    updates, inner_state = inner.update(grads, inner_state, local)
+    return optax.apply_updates(local, updates), inner_state, loss
+
+  @jax.jit
+  def outer_step(anchor, outer_state, mean_delta):
+    mean_delta = jax.tree.map(lambda m, a: m.astype(a.dtype), mean_delta, anchor)
+    updates, outer_state = outer.update(mean_delta, outer_state, anchor)
+    return optax.apply_updates(anchor, updates), outer_state
+
+  return inner_step, outer_step
+
+
 def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], Any], *,
              lighthouse: str, site: int, steps: int, checkpoint_dir=None,
              checkpoint_every_rounds: int = 1, timeout_s: float = 600.0,
@@ -293,6 +323,9 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
              on_round: Callable[[dict], None] | None = None,
              on_step: Callable[[int, float], None] | None = None) -> SiteRun:
   """Trains one site of an elastic DiLoCo run until ``steps`` inner steps are done.
+
+  Long because the round loop (join, a drop and its rejoin, the donor's relay, the
+  checkpoint) reads as one protocol; its steps and checks are helpers.
 
   The site joins through the lighthouse: at the run's start (every site from
   ``params``), from a live site's state (a restart or a new site: it joins at
@@ -325,14 +358,7 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
     ValueError: a bad argument, or a donor's state of another shape.
     LighthouseUnreachable: the lighthouse did not answer.
   """
-  if not (isinstance(site, int) and site >= 0):
-    raise ValueError(f"site must be an int >= 0, got {site!r}")
-  if not (isinstance(steps, int) and steps >= 0 and steps % method.every == 0):
-    raise ValueError(f"steps must be an int >= 0 and a multiple of every = {method.every}, "
-                     f"got {steps!r}")
-  if not (isinstance(checkpoint_every_rounds, int) and checkpoint_every_rounds >= 1):
-    raise ValueError(f"checkpoint_every_rounds must be an int >= 1, "
-                     f"got {checkpoint_every_rounds!r}")
+  _check_run(method, site, steps, checkpoint_every_rounds)
   events: list[str] = []
 
   def say(line: str) -> None:
@@ -341,21 +367,9 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
     (log or (lambda s: print(s, file=sys.stderr, flush=True)))(line)
 
   inner, outer, every = method.inner, method.outer or default_outer(), method.every
-
-  @jax.jit
-  def inner_step(local, inner_state, batch):
-    loss, grads = jax.value_and_grad(method.loss_fn)(local, batch)
-    updates, inner_state = inner.update(grads, inner_state, local)
-    return optax.apply_updates(local, updates), inner_state, loss
-
-  @jax.jit
-  def outer_step(anchor, outer_state, mean_delta):
-    mean_delta = jax.tree.map(lambda m, a: m.astype(a.dtype), mean_delta, anchor)
-    updates, outer_state = outer.update(mean_delta, outer_state, anchor)
-    return optax.apply_updates(anchor, updates), outer_state
-
+  inner_step, outer_step = _steps(method.loss_fn, inner, outer)
   delta_of = jax.jit(lambda anchor, local: jax.tree.map(jnp.subtract, anchor, local))
-  codec = (_Dense(_wire.dtype_of(method.payload_dtype)) if method.compressor is None
+  codec = (_Dense(dtype_of(method.payload_dtype)) if method.compressor is None
            else _Compressed.of(method.compressor, method.seed, method.decay))
   fresh = SiteState(params, inner.init(params), outer.init(params),
                     () if method.compressor is None
