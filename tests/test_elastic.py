@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import dadjax.elastic as elastic
+import dadjax.local
 from dadjax.elastic import _wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -128,6 +129,119 @@ def test_sparseloco_sends_a_chunked_payload_and_keeps_a_decaying_memory():
     elastic.sparseloco(elastic_worker.loss_fn, optax.sgd(0.1), 2, decay=1.5)
   with pytest.raises(ValueError, match="decay needs a compressor"):
     elastic.ElasticDiLoCo(elastic_worker.loss_fn, optax.sgd(0.1), 2, decay=0.5)
+
+
+def _local_method_anchor(tx, steps: int, sites: int = 3) -> np.ndarray:
+  """Site 0's anchor of the dadjax.local method ``tx`` over ``sites`` vmapped sites."""
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * sites), elastic_worker.init_params())
+  state = jax.vmap(tx.init)(stacked)
+  grad = jax.grad(elastic_worker.loss_fn)
+
+  @jax.jit
+  def step(params, state, batch):
+    def one(p, s, b):
+      updates, s = tx.update(grad(p, b), s, p)
+      return optax.apply_updates(p, updates), s
+    return jax.vmap(one, axis_name="data")(params, state, batch)
+
+  for i in range(steps):
+    batch = jax.tree.map(lambda *b: jnp.stack(b),
+                         *[elastic_worker.batch_at(s, i) for s in range(sites)])
+    stacked, state = step(stacked, state, batch)
+  return _flat(jax.tree.map(lambda a: a[0], state.anchor))
+
+
+@pytest.mark.parametrize("compressor", [None, "qsgd:8"])
+def test_streaming_diloco_with_every_site_present_is_the_local_method(compressor):
+  # two fragments of H = 4 (sends at steps 2 and 4 of each period), merged 1 step later, alpha
+  # 0.5, Nesterov outer state per fragment. The last round (step 8) is merged at the run's end,
+  # so the local method runs one step more: the anchor does not depend on that step.
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  method = elastic.streaming_diloco(elastic_worker.loss_fn, optax.adam(1e-2), 4, fragments=2,
+                                    delay=1, alpha=0.5, outer=outer, compressor=compressor)
+  with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+    runs = _sites_in_threads(lighthouse.address, method, 8)
+  rows = runs[0].rows
+  assert [(r["round"], r["step"]) for r in rows] == [(0, 2), (1, 4), (2, 6), (3, 8)]
+  # a round carries one fragment: the two fragments' payloads make up the model once
+  n = _flat(runs[0].anchor).size
+  if compressor is None:
+    assert rows[0]["sent_bits"] + rows[1]["sent_bits"] == 32 * n
+  assert len(runs[0].state.outer_state) == 2
+  if compressor is None:  # (a compressor's keys are per site here, per mesh position there)
+    local = dadjax.local.streaming_diloco(optax.adam(1e-2), 4, fragments=2, delay=1, alpha=0.5,
+                                          outer=outer)
+    np.testing.assert_allclose(_flat(runs[0].anchor), _local_method_anchor(local, 9), rtol=1e-5,
+                               atol=1e-6)
+  for run in runs.values():
+    np.testing.assert_array_equal(_flat(run.anchor), _flat(runs[0].anchor))
+  with pytest.raises(ValueError, match=r"delay must be an int in \[0, 1\] \(less than the 2 "
+                                       r"steps between two sends"):
+    elastic.streaming_diloco(elastic_worker.loss_fn, optax.sgd(0.1), 4, fragments=2, delay=2)
+  with pytest.raises(ValueError, match=r"alpha must be a number in \[0, 1\]"):
+    elastic.streaming_diloco(elastic_worker.loss_fn, optax.sgd(0.1), 4, alpha=1.5)
+
+
+def test_demo_with_every_site_present_is_the_local_method():
+  kwargs = dict(lr=0.01, k=4, chunk=4, decay=0.9)
+  method = elastic.demo(elastic_worker.loss_fn, optax.sgd(0.05), **kwargs)
+  with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=30) as lighthouse:
+    runs = _sites_in_threads(lighthouse.address, method, 5)
+  local = dadjax.local.demo(optax.sgd(0.05), **kwargs)
+  np.testing.assert_allclose(_flat(runs[0].anchor), _local_method_anchor(local, 5), rtol=1e-5,
+                             atol=1e-6)
+  n = _flat(runs[0].anchor).size
+  assert all(0 < r["sent_bits"] < 32 * n / 2 for r in runs[0].rows)  # 4 of 16 per block
+  momenta = [_flat(runs[s].state.codec_state.memory) for s in range(3)]
+  assert all(np.abs(m).sum() > 0 for m in momenta) and not np.array_equal(*momenta[:2])
+  with pytest.raises(ValueError, match="lr must be a number > 0"):
+    elastic.demo(elastic_worker.loss_fn, optax.sgd(0.1), lr=0.0)
+
+
+def test_a_lost_streaming_site_is_dropped_and_a_restart_joins_between_fragments():
+  # threads, not processes: site 2 stops after 9 steps (no leave, no contribution), is dropped
+  # after quorum_timeout_s, and a new site 2 joins from a donor's state, at a round boundary of
+  # the fragment schedule, while the others train on.
+  method = elastic.streaming_diloco(elastic_worker.loss_fn, optax.adam(1e-2), 4, fragments=2,
+                                    delay=1)
+  runs, errors, lost = {}, [], threading.Event()
+
+  def batch_at(site, step):
+    time.sleep(0.02)
+    if site == 2 and not lost.is_set() and step == 9:
+      lost.set()
+      raise KeyboardInterrupt  # the site's program ends here
+    return elastic_worker.batch_at(site, step)
+
+  def go(site, key):
+    try:
+      runs[key] = elastic.run_site(method, elastic_worker.init_params(), batch_at,
+                                   lighthouse=address, site=site, steps=80, log=lambda _: None)
+    except KeyboardInterrupt:
+      pass
+    except Exception as e:  # noqa: BLE001 - reraised below
+      errors.append(e)
+
+  with elastic.Lighthouse(expected_sites=3, quorum_timeout_s=1.0) as lighthouse:
+    address = lighthouse.address
+    threads = [threading.Thread(target=go, args=(s, s)) for s in (0, 1, 2)]
+    for t in threads:
+      t.start()
+    threads[2].join(60)
+    restart = threading.Thread(target=go, args=(2, "2 again"))
+    restart.start()
+    for t in threads[:2] + [restart]:
+      t.join(120)
+  assert not errors, errors
+  assert 2 not in runs
+  quorums = [r["quorum"] for r in runs[0].rows]
+  assert [0, 1] in quorums and quorums[-1] == [0, 1, 2]
+  joined = [e for e in runs["2 again"].events if "joined at round" in e]
+  assert len(joined) == 1
+  first = runs["2 again"].rows[0]["round"]
+  assert runs["2 again"].rows[0]["step"] == method.every * (first // 2) + (2, 4)[first % 2]
+  for run in (runs[1], runs["2 again"]):
+    np.testing.assert_array_equal(_flat(run.anchor), _flat(runs[0].anchor))
 
 
 def test_a_compressor_that_is_not_one_is_refused():

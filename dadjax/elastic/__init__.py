@@ -10,7 +10,8 @@ elastic run is its own JAX program, and the outer step goes through a
   weighted mean over the quorum, and relays a live site's state to a joiner.
 * :func:`run_site` with an :class:`ElasticDiLoCo`: one site's training
   (inner steps under ``jit``, the outer step on the mean), fp32, bf16 or
-  through a dadjax compressor; :func:`sparseloco` its SparseLoCo form.
+  through a dadjax compressor; :func:`streaming_diloco`, :func:`sparseloco`
+  and :func:`demo` its Streaming DiLoCo, SparseLoCo and DeMo forms.
 * ``python -m dadjax.elastic --port 5555 --expected-sites 4``: a lighthouse
   on its own.
 
@@ -19,7 +20,7 @@ See the guide ``docs/elastic.md``.
 
 from dadjax.elastic._lighthouse import Lighthouse
 from dadjax.elastic._site import (DecayingMemory, ElasticDiLoCo, LighthouseUnreachable, SiteRun,
-                                  SiteState, run_site, sparseloco)
+                                  SiteState, demo, run_site, sparseloco, streaming_diloco)
 
 __all__ = ["DecayingMemory", "ElasticDiLoCo", "Lighthouse", "LighthouseUnreachable", "SiteRun",
-           "SiteState", "run_site", "sparseloco"]
+           "SiteState", "demo", "run_site", "sparseloco", "streaming_diloco"]

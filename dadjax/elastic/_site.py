@@ -10,7 +10,9 @@ anchor, exactly as :func:`dadjax.local.diloco` does over a mesh axis.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import pathlib
 import socket
 import sys
@@ -23,7 +25,8 @@ import optax
 
 from dadjax.compress import Compressor, Keys, step_keys
 from dadjax.elastic._wire import WireError, dtype_of, recv, send
-from dadjax.local import default_outer
+from dadjax.local import Outer, default_outer, outer_merge, pseudo_gradient, sync_plan
+from dadjax.local._plan import check_schedule, leaves_of, put_leaves
 
 _PAYLOAD_DTYPES = ("float32", "bfloat16")
 
@@ -75,6 +78,14 @@ class ElasticDiLoCo:
     decay: ``None``, or SparseLoCo's decaying memory ``beta`` in [0, 1] (needs
       a compressor): each round the site sends ``C(e)`` of
       ``e <- decay * e + Delta`` and keeps ``e - C(e)`` (see :func:`sparseloco`).
+    fragments: ``P``, Streaming DiLoCo's fragments (default 1: DiLoCo): the
+      leaves cut as :func:`dadjax.local.sync_plan` cuts them, fragment ``p``
+      sending every ``every`` steps at its own offset, one round per send.
+    delay: ``tau``, inner steps between a round's send and its merge (default
+      0), less than the gap between two sends (about ``every / fragments``):
+      one round is in flight at a time.
+    alpha: the local parameters' weight in the merge, in [0, 1] (default 0:
+      the site takes the new anchor; Streaming DiLoCo: 0.5).
   """
   loss_fn: Callable[[Any, Any], jax.Array]
   inner: optax.GradientTransformation
@@ -84,10 +95,24 @@ class ElasticDiLoCo:
   compressor: Compressor | str | None = None
   seed: int = 0
   decay: float | None = None
+  fragments: int = 1
+  delay: int = 0
+  alpha: float = 0.0
 
   def __post_init__(self):
     if not (isinstance(self.every, int) and self.every >= 1):
       raise ValueError(f"every must be an int >= 1, got {self.every!r}")
+    check_schedule(self.every, self.fragments, self.delay, "ElasticDiLoCo")
+    first = [(p + 1) * self.every // self.fragments for p in range(self.fragments)]
+    gap = min(b - a for a, b in zip([0] + first, first))
+    if self.delay >= gap:
+      raise ValueError(f"delay must be an int in [0, {gap - 1}] (less than the {gap} steps "
+                       f"between two sends of every={self.every} with fragments="
+                       f"{self.fragments}: one round in flight at a time), got {self.delay!r}")
+    if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float))
+                                            and 0 <= self.alpha <= 1):
+      raise ValueError(f"alpha must be a number in [0, 1] (the local parameters' weight in the "
+                       f"merge), got {self.alpha!r}")
     if self.payload_dtype not in _PAYLOAD_DTYPES:
       raise ValueError(f"payload_dtype must be one of {_PAYLOAD_DTYPES}, "
                        f"got {self.payload_dtype!r}")
@@ -123,6 +148,62 @@ def sparseloco(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTr
   values = _one_round(values) if values is not None else None
   return ElasticDiLoCo(loss_fn, inner, every, outer=optax.sgd(outer_lr),
                        compressor=chunked_topk(k, chunk, values=values), seed=seed, decay=decay)
+
+
+def streaming_diloco(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransformation,
+                     every: int, fragments: int = 2, delay: int = 1, alpha: float = 0.5,
+                     outer: optax.GradientTransformation | None = None,
+                     compressor: Compressor | str | None = None, *,
+                     payload_dtype: str = "float32", seed: int = 0) -> ElasticDiLoCo:
+  """Streaming DiLoCo across sites that come and go: :func:`dadjax.local.streaming_diloco`'s schedule.
+
+  The leaves are cut into ``fragments`` contiguous runs; fragment ``p`` sends its
+  pseudo-gradient every ``every`` steps at its own offset (one round of the
+  lighthouse per send, so a round carries about ``1 / fragments`` of the
+  model), and its mean is merged ``delay`` steps later while the site keeps
+  training: the outer optimizer (its state kept per fragment) steps the
+  fragment's anchor and the site's fragment becomes ``alpha * local + (1 -
+  alpha) * anchor``. ``delay`` must be less than the gap between two sends.
+  With every site present it is :func:`dadjax.local.streaming_diloco` over the sites.
+
+  References:
+    A. Douillard et al., "Streaming DiLoCo with overlapping communication:
+    Towards a Distributed Free Lunch", 2025 (https://arxiv.org/abs/2501.18512).
+  """
+  return ElasticDiLoCo(loss_fn, inner, every, outer=outer, payload_dtype=payload_dtype,
+                       compressor=compressor, seed=seed, fragments=fragments, delay=delay,
+                       alpha=alpha)
+
+
+def demo(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransformation,
+         every: int = 1, *, lr: float = 4e-4, k: int = 32, chunk: int = 64,
+         decay: float = 0.999, weight_decay: float = 0.0, sign: bool = True,
+         seed: int = 0) -> ElasticDiLoCo:
+  """DeMo across sites that come and go: :func:`dadjax.local.demo`'s exchange, one round per ``every`` steps.
+
+  Each site folds the change its inner optimizer made into its own momentum
+  (``m <- decay * m + Delta``), sends the ``k`` largest DCT-II coefficients of
+  every ``chunk x chunk`` block of ``m`` and removes them from ``m``; every
+  site decodes the quorum's mean and takes ``-lr * sign(mean)`` (with decoupled
+  ``weight_decay``). The momentum is the site's own: a joiner's starts at
+  zero. With every site present it is :func:`dadjax.local.demo` over the
+  sites. The paper's DeMo is ``inner=optax.sgd(lr)``, ``every=1``: a
+  lighthouse round per inner step.
+
+  References:
+    B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum
+    Optimization", 2024 (https://arxiv.org/abs/2411.19870).
+  """
+  from dadjax.local import chunked_topk, demo_outer  # pylint: disable=g-import-not-at-top
+  if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
+    raise ValueError(f"lr must be a number > 0, got {lr!r}")
+  if isinstance(weight_decay, bool) or not (isinstance(weight_decay, (int, float))
+                                            and weight_decay >= 0):
+    raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+  if not isinstance(sign, bool):
+    raise ValueError(f"sign must be a bool, got {sign!r}")
+  return ElasticDiLoCo(loss_fn, inner, every, outer=demo_outer(lr, float(weight_decay), sign),
+                       compressor=chunked_topk(k, chunk, dct=True), seed=seed, decay=decay)
 
 
 def _one_round(compressor) -> Compressor | None:
@@ -298,22 +379,214 @@ def _check_run(method: ElasticDiLoCo, site, steps, checkpoint_every_rounds) -> N
                      f"got {checkpoint_every_rounds!r}")
 
 
-def _steps(loss_fn, inner: optax.GradientTransformation, outer: optax.GradientTransformation):
-  """The site's two jitted steps: an inner optimizer step, and the outer step on the mean."""
+class _Rounds(NamedTuple):
+  """When each round sends and merges: one round per fragment send, in step order.
+
+  Round ``r`` is fragment ``r % P``'s send on (1-based) inner step
+  :meth:`send_step`; its mean is merged ``delay`` steps later, before the next
+  round sends (:class:`ElasticDiLoCo` checks ``delay`` against the gap). With
+  one fragment, round ``r`` is DiLoCo's outer step after ``(r + 1) * every`` steps.
+  """
+  every: int
+  delay: int
+  first: tuple[int, ...]  # per fragment, the step of its first send (sync_plan's)
+  leaves: tuple[int, ...]  # the fragment of each parameter leaf
+
+  @classmethod
+  def of(cls, method: ElasticDiLoCo, params) -> "_Rounds":
+    plan = sync_plan(params, method.every, method.fragments, method.delay, "run_site")
+    return cls(plan.every, plan.delay, plan.first, plan.leaves)
+
+  @property
+  def fragments(self) -> int:
+    return len(self.first)
+
+  def fragment(self, index: int) -> int:
+    return index % self.fragments
+
+  def send_step(self, index: int) -> int:
+    return index // self.fragments * self.every + self.first[index % self.fragments]
+
+  def start_step(self, index: int) -> int:
+    """The inner steps done when round ``index - 1``'s mean has been merged."""
+    return 0 if index == 0 else self.send_step(index - 1) + self.delay
+
+  def part(self, tree, p: int):
+    return leaves_of(tree, self.leaves, p)
+
+  def whole(self, values: list):
+    """Per-fragment states as :class:`SiteState` keeps them: the one state, or a tuple."""
+    return values[0] if self.fragments == 1 else tuple(values)
+
+  def each(self, value) -> list:
+    return [value] if self.fragments == 1 else list(value)
+
+
+def _steps(method: ElasticDiLoCo, outer: optax.GradientTransformation, rounds: _Rounds):
+  """The site's jitted steps: an inner optimizer step, a fragment's pseudo-gradient, its merge."""
+  inner, config = method.inner, Outer(outer, float(method.alpha))
 
   @jax.jit
   def inner_step(local, inner_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+    loss, grads = jax.value_and_grad(method.loss_fn)(local, batch)
     updates, inner_state = inner.update(grads, inner_state, local)
     return optax.apply_updates(local, updates), inner_state, loss
 
-  @jax.jit
-  def outer_step(anchor, outer_state, mean_delta):
-    mean_delta = jax.tree.map(lambda m, a: m.astype(a.dtype), mean_delta, anchor)
-    updates, outer_state = outer.update(mean_delta, outer_state, anchor)
-    return optax.apply_updates(anchor, updates), outer_state
+  @functools.partial(jax.jit, static_argnums=0)
+  def delta_of(p, anchor, local):
+    return pseudo_gradient(rounds.part(anchor, p), rounds.part(local, p))
 
-  return inner_step, outer_step
+  @functools.partial(jax.jit, static_argnums=0)
+  def merge(p, local, anchor, mean, outer_state):
+    """The outer step on fragment ``p``'s anchor; the site's fragment becomes
+    ``alpha * local + (1 - alpha) * anchor`` (:func:`dadjax.local.outer_merge`)."""
+    anchor_p = rounds.part(anchor, p)
+    mean = jax.tree.map(lambda m, a: m.astype(a.dtype), mean, anchor_p)
+    local_p, anchor_p, outer_state = outer_merge(config, rounds.part(local, p), anchor_p, mean,
+                                                 outer_state)
+    return (put_leaves(local, local_p, rounds.leaves, p),
+            put_leaves(anchor, anchor_p, rounds.leaves, p), outer_state)
+
+  return inner_step, delta_of, merge
+
+
+class _Sent(NamedTuple):
+  """A round on the wire: its reply arrives ``delay`` steps after the send."""
+  index: int
+  fragment: int
+  reply: Any  # a concurrent.futures.Future of ``_request``'s (reply, arrays, bytes sent)
+  payload_def: Any
+  codec_state: Any
+  step: int
+
+
+class _Site:
+  """One site's protocol state between inner steps: joins, rounds, merges, drops and relays."""
+
+  def __init__(self, method: ElasticDiLoCo, params, *, lighthouse: str, site: int,
+               timeout_s: float, store, say):
+    self.method, self.lighthouse, self.site, self.timeout_s = method, lighthouse, site, timeout_s
+    self.store, self.say = store, say
+    self.rounds = rounds = _Rounds.of(method, params)
+    outer = method.outer or default_outer()
+    self.inner_step, self.delta_of, self.merge_step = _steps(method, outer, rounds)
+    self.codec = (_Dense(dtype_of(method.payload_dtype)) if method.compressor is None
+                  else _Compressed.of(method.compressor, method.seed, method.decay))
+    parts = [rounds.part(params, p) for p in range(rounds.fragments)]
+    codecs = [() if method.compressor is None
+              else _Compressed.init(method.compressor, method.decay, part) for part in parts]
+    self.fresh = SiteState(params, method.inner.init(params),
+                           rounds.whole([outer.init(part) for part in parts]),
+                           rounds.whole(codecs))
+    # a joiner receives all but the compressor's state, which it starts afresh
+    self.template = jax.tree.leaves(self.fresh[:3])
+    self.treedef = jax.tree.structure(tuple(self.fresh[:3]))
+    self.rows: list[dict] = []
+    self.pending: _Sent | None = None
+    self._requests = concurrent.futures.ThreadPoolExecutor(1, "dadjax-elastic-sync")
+
+  def start(self) -> None:
+    if self.store is not None and (saved := self.store.latest(self.fresh)) is not None:
+      own_round, own = saved
+      origin = f"from its checkpoint of round {own_round}"
+    else:
+      own_round, own, origin = 0, self.fresh, "from the initial parameters"
+    self._join(own, own_round, origin)
+
+  def _join(self, own: SiteState, own_round: int, why: str) -> None:
+    """Takes a live site's state (or its own) and starts at that round's step."""
+    site = self.site
+    reply, arrays, _ = _request(self.lighthouse, {"kind": "join", "site": site,
+                                                  "alone_round": own_round},
+                                timeout_s=self.timeout_s)
+    state, index = own, own_round
+    if reply["start"] == "peer":
+      received = jax.tree.unflatten(self.treedef,
+                                    _leaves_as(self.template, arrays, "the donor's state"))
+      state, index = SiteState(*received, self.fresh.codec_state), reply["round"]
+      self.say(f"site {site} joined at round {index} with site {reply['donor']}'s state")
+    elif reply["start"] == "alone":
+      self.say(f"site {site} starts alone at round {own_round} (no live site; {why})")
+    elif own_round:
+      self.say(f"site {site} resumes at round {own_round} ({why}), as the run re-forms")
+    self.state, self.index, self.local = state, index, state.anchor
+    self.step = self.rounds.start_step(index)
+    self.rows_since = [0] * self.rounds.fragments  # rows trained since each fragment's send
+    self.losses: list[jax.Array] = []
+
+  def train(self, batch) -> jax.Array:
+    self.local, inner_state, loss = self.inner_step(self.local, self.state.inner_state, batch)
+    self.state = self.state._replace(inner_state=inner_state)
+    self.losses.append(loss)
+    self.step += 1
+    rows = np.shape(jax.tree.leaves(batch)[0])[0]
+    self.rows_since = [r + rows for r in self.rows_since]
+    return loss
+
+  def sends_now(self) -> bool:
+    return self.pending is None and self.step == self.rounds.send_step(self.index)
+
+  def merges_now(self, last_step: int) -> bool:
+    return self.pending is not None and (self.step >= self.pending.step + self.rounds.delay
+                                         or self.step >= last_step)
+
+  def send(self) -> dict | None:
+    """This round's fragment to the lighthouse; its mean is merged ``delay`` steps later (with
+    no delay: now, returning :meth:`merge`'s row)."""
+    p, index = self.rounds.fragment(self.index), self.index
+    payload, payload_def, codec_state = self.codec.encode(
+        self.delta_of(p, self.state.anchor, self.local),
+        self.rounds.each(self.state.codec_state)[p], index, self.site)
+    header = {"kind": "sync", "site": self.site, "round": index,
+              "weight": float(self.rows_since[p]), "gather": self.codec.gather}
+    self.rows_since[p] = 0
+    # the module's _request, looked up when the request runs
+    reply = self._requests.submit(lambda: _request(self.lighthouse, header, payload,
+                                                   timeout_s=self.timeout_s))
+    self.pending = _Sent(index, p, reply, payload_def, codec_state, self.step)
+    return None if self.rounds.delay else self.merge()
+
+  def merge(self) -> dict | None:
+    """The round's mean into the anchor and the site; a dropped site joins again."""
+    sent, self.pending = self.pending, None
+    reply, received, sent_bytes = sent.reply.result()
+    index, p = sent.index, sent.fragment
+    if reply["status"] == "dropped":  # (its memory as before the round: nothing was sent)
+      lost = self.step - self.rounds.start_step(index)
+      self.say(f"site {self.site} was dropped from round {index} (its contribution came after "
+               f"the quorum closed); it loses {lost} steps and joins again")
+      self._join(self.state, index, "after being dropped")
+      return None
+    if reply["dropped"]:
+      self.say(f"round {index}: sites {reply['dropped']} dropped (no contribution in time); "
+               f"the outer mean is over sites {reply['quorum']}")
+    state = self.state
+    mean = self.codec.decode(reply, received, sent.payload_def,
+                             self.rounds.part(state.anchor, p), index, self.site)
+    outers, codecs = self.rounds.each(state.outer_state), self.rounds.each(state.codec_state)
+    self.local, anchor, outers[p] = self.merge_step(p, self.local, state.anchor, mean, outers[p])
+    codecs[p] = sent.codec_state
+    self.state = SiteState(anchor, state.inner_state, self.rounds.whole(outers),
+                           self.rounds.whole(codecs))
+    self.index = index + 1
+    row = {"round": index, "step": sent.step, "quorum": reply["quorum"],
+           "dropped": reply["dropped"], "loss": float(np.mean([float(l) for l in self.losses])),
+           "sent_bits": 8 * sent_bytes, "received_bits": 8 * sum(m.nbytes for m in received)}
+    self.losses.clear()
+    self.rows.append(row)
+    if reply["donor"]:
+      _request(self.lighthouse, {"kind": "state", "site": self.site, "round": self.index,
+                                 "step": self.step},
+               [np.asarray(x) for x in jax.tree.leaves(tuple(self.state[:3]))],
+               timeout_s=self.timeout_s)
+    if self.store is not None:
+      self.store.save(self.index, self.state)
+    return row
+
+  def close(self) -> None:
+    self._requests.shutdown(wait=False, cancel_futures=True)
+    if self.store is not None:
+      self.store.close()
 
 
 def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], Any], *,
@@ -322,18 +595,17 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
              log: Callable[[str], None] | None = None,
              on_round: Callable[[dict], None] | None = None,
              on_step: Callable[[int, float], None] | None = None) -> SiteRun:
-  """Trains one site of an elastic DiLoCo run until ``steps`` inner steps are done.
-
-  Long because the round loop (join, a drop and its rejoin, the donor's relay, the
-  checkpoint) reads as one protocol; its steps and checks are helpers.
+  """Trains one site of an elastic run until ``steps`` inner steps are done.
 
   The site joins through the lighthouse: at the run's start (every site from
   ``params``), from a live site's state (a restart or a new site: it joins at
   the next round), or, with no live site, from its own latest checkpoint
-  (else ``params`` at round 0). At each round it sends ``Delta`` and a weight
-  (the rows of its batches since the last round) and applies the mean. A site
-  the lighthouse dropped (its contribution came after ``quorum_timeout_s``)
-  loses that interval's steps and joins again.
+  (else ``params`` at round 0). At each round it sends its pseudo-gradient
+  (of the round's fragment, with ``method.fragments > 1``) and a weight (the
+  rows of its batches since that fragment's last send) and merges the mean,
+  ``method.delay`` steps later. A site the lighthouse dropped (its
+  contribution came after ``quorum_timeout_s``) loses its steps since its
+  last merge and joins again.
 
   Args:
     method: the :class:`ElasticDiLoCo` (loss, inner and outer optimizers, H).
@@ -366,88 +638,23 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
     events.append(line)
     (log or (lambda s: print(s, file=sys.stderr, flush=True)))(line)
 
-  inner, outer, every = method.inner, method.outer or default_outer(), method.every
-  inner_step, outer_step = _steps(method.loss_fn, inner, outer)
-  delta_of = jax.jit(lambda anchor, local: jax.tree.map(jnp.subtract, anchor, local))
-  codec = (_Dense(dtype_of(method.payload_dtype)) if method.compressor is None
-           else _Compressed.of(method.compressor, method.seed, method.decay))
-  fresh = SiteState(params, inner.init(params), outer.init(params),
-                    () if method.compressor is None
-                    else _Compressed.init(method.compressor, method.decay, params))
-  # a joiner receives all but the compressor's state, which it starts afresh
-  template, treedef = jax.tree.leaves(fresh[:3]), jax.tree.structure(tuple(fresh[:3]))
   store = None if checkpoint_dir is None else _Checkpoints(checkpoint_dir, checkpoint_every_rounds)
-
-  def join(own: SiteState, own_round: int, why: str) -> tuple[SiteState, int]:
-    reply, arrays, _ = _request(lighthouse, {"kind": "join", "site": site,
-                                             "alone_round": own_round}, timeout_s=timeout_s)
-    if reply["start"] == "peer":
-      received = jax.tree.unflatten(treedef, _leaves_as(template, arrays, "the donor's state"))
-      state = SiteState(*received, fresh.codec_state)
-      say(f"site {site} joined at round {reply['round']} with site {reply['donor']}'s state")
-      return state, reply["round"]
-    if reply["start"] == "alone":
-      say(f"site {site} starts alone at round {own_round} (no live site; {why})")
-    elif own_round:
-      say(f"site {site} resumes at round {own_round} ({why}), as the run re-forms")
-    return own, own_round
-
-  if store is not None and (saved := store.latest(fresh)) is not None:
-    own_round, own = saved
-    origin = f"from its checkpoint of round {own_round}"
-  else:
-    own_round, own, origin = 0, fresh, "from the initial parameters"
-  state, index = join(own, own_round, origin)
-  local = state.anchor
-  rows: list[dict] = []
-  losses: list[jax.Array] = []
-  step = index * every
+  me = _Site(method, params, lighthouse=lighthouse, site=site, timeout_s=timeout_s, store=store,
+             say=say)
   try:
-    while step < steps:
-      batch = batch_at(site, step)
-      local, inner_state, loss = inner_step(local, state.inner_state, batch)
-      state = state._replace(inner_state=inner_state)
-      losses.append(loss)
-      if on_step is not None:
-        on_step(step, float(loss))
-      step += 1
-      if step % every:
-        continue
-      weight = float(every * np.shape(jax.tree.leaves(batch)[0])[0])
-      payload, payload_def, codec_state = codec.encode(delta_of(state.anchor, local),
-                                                       state.codec_state, index, site)
-      reply, received, sent = _request(
-          lighthouse, {"kind": "sync", "site": site, "round": index, "weight": weight,
-                       "gather": codec.gather}, payload, timeout_s=timeout_s)
-      if reply["status"] == "dropped":  # (its memory as before the round: nothing was sent)
-        say(f"site {site} was dropped from round {index} (its contribution came after the "
-            f"quorum closed); it loses {every} steps and joins again")
-        losses.clear()
-        state, index = join(state, index, "after being dropped")
-        local, step = state.anchor, index * every
-        continue
-      if reply["dropped"]:
-        say(f"round {index}: sites {reply['dropped']} dropped (no contribution in time); the "
-            f"outer mean is over sites {reply['quorum']}")
-      mean = codec.decode(reply, received, payload_def, state.anchor, index, site)
-      anchor, outer_state = outer_step(state.anchor, state.outer_state, mean)
-      state = SiteState(anchor, state.inner_state, outer_state, codec_state)
-      local, index = anchor, index + 1
-      row = {"round": index - 1, "step": step, "quorum": reply["quorum"],
-             "dropped": reply["dropped"], "loss": float(np.mean([float(l) for l in losses])),
-             "sent_bits": 8 * sent, "received_bits": 8 * sum(m.nbytes for m in received)}
-      losses.clear()
-      rows.append(row)
-      if on_round is not None:
-        on_round(row)
-      if reply["donor"]:
-        _request(lighthouse, {"kind": "state", "site": site, "round": index, "step": step},
-                 [np.asarray(x) for x in jax.tree.leaves(tuple(state[:3]))],
-                 timeout_s=timeout_s)
-      if store is not None:
-        store.save(index, state)
+    me.start()
+    while me.step < steps or me.pending is not None:
+      if me.step < steps:
+        step = me.step
+        loss = me.train(batch_at(site, step))
+        if on_step is not None:
+          on_step(step, float(loss))
+      merged = me.merge() if me.merges_now(steps) else None
+      if me.step <= steps and me.sends_now():
+        merged = me.send() or merged
+      if merged is not None and on_round is not None:
+        on_round(merged)
   finally:
-    if store is not None:
-      store.close()
+    me.close()
   _request(lighthouse, {"kind": "leave", "site": site}, timeout_s=timeout_s)
-  return SiteRun(state.anchor, state, rows, events)
+  return SiteRun(me.state.anchor, me.state, me.rows, events)
