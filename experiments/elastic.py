@@ -13,12 +13,16 @@ with H = 10 inner Adam steps; the lighthouse runs in this process. Three runs, s
   a lost process ends every process): every site is killed at that moment and all are
   started again from their last checkpoint (every ``--checkpoint-every`` rounds).
 
+Each seed (``--seeds 0,1,2``) draws its own initial parameters, site partition and batches,
+and kills site 2 two steps later than the seed before (``--kill-at`` + 2 * seed); the table
+gives the mean and the spread (min-max) over the seeds.
+
 Per run: site-steps lost (inner steps computed and then discarded, summed over sites),
 seconds from the kill until the run is back at the step it had reached (every site
 training again), wall time, and test bits/byte of the final anchor (1,024 held-out
-windows). Run (about 10 min on 2 cores):
+windows). Run (about 10 min per seed on 2 cores):
 
-    python experiments/elastic.py --name elastic_gpt_cpu
+    python experiments/elastic.py --seeds 0,1,2 --name elastic_gpt_cpu
 
 Needs the text (``make data``).
 """
@@ -37,6 +41,8 @@ import tempfile
 import threading
 import time
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parent
 SITES = 3
 
@@ -51,16 +57,17 @@ def _data(seed: int):
 
 
 def site_main(argv: list[str]) -> int:
-  """One site (a child process): ``ADDRESS SITE STEPS EVERY CHECKPOINT_DIR CHECKPOINT_EVERY``."""
-  address, site, steps, every, ckpt, ckpt_every = argv
-  site, steps, every, ckpt_every = int(site), int(steps), int(every), int(ckpt_every)
+  """One site (a child process): ``ADDRESS SITE STEPS EVERY CHECKPOINT_DIR CHECKPOINT_EVERY SEED``."""
+  address, site, steps, every, ckpt, ckpt_every, seed = argv
+  site, steps, every, ckpt_every, seed = int(site), int(steps), int(every), int(ckpt_every), \
+      int(seed)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from dadjax import elastic, models  # pylint: disable=g-import-not-at-top
-  ds, batcher = _data(0)
+  ds, batcher = _data(seed)
   model = models.get_model("gpt_cpu", ds.num_classes, vocab_size=ds.vocab_size)
-  params = model.init(jax.random.key(0), ds.x_train[:8])
+  params = model.init(jax.random.key(seed), ds.x_train[:8])
 
   def loss_fn(p, batch):
     logits = model.apply(p, batch["x"])
@@ -89,9 +96,9 @@ def site_main(argv: list[str]) -> int:
 class _Run:
   """The lighthouse and the site processes of one run."""
 
-  def __init__(self, args, work: pathlib.Path):
+  def __init__(self, args, work: pathlib.Path, seed: int):
     from dadjax import elastic  # pylint: disable=g-import-not-at-top
-    self.args, self.work = args, work
+    self.args, self.work, self.seed = args, work, seed
     self.lighthouse = elastic.Lighthouse(expected_sites=SITES,
                                          quorum_timeout_s=args.quorum_timeout_s).start()
     self.lines: dict[int, list[dict]] = {}
@@ -108,7 +115,7 @@ class _Run:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, __file__, "--site", self.lighthouse.address, str(site),
            str(self.args.steps), str(self.args.every), str(self.work / f"ckpt{site}"),
-           str(self.args.checkpoint_every)]
+           str(self.args.checkpoint_every), str(self.seed)]
     err = open(self.work / f"site{site}.{self.starts.get(site, 0)}.err", "w")
     self.starts[site] = self.starts.get(site, 0) + 1
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -169,15 +176,15 @@ def _lost_steps(run: _Run, site: int, killed_at_step: int) -> int:
   return killed_at_step - done
 
 
-def one_run(args, fault: str) -> dict:
+def one_run(args, fault: str, seed: int) -> dict:
   work = pathlib.Path(tempfile.mkdtemp(prefix=f"dadjax-elastic-{fault}-"))
-  run = _Run(args, work)
+  run = _Run(args, work, seed)
   t0 = time.time()
   for site in range(SITES):
     run.start(site)
-  out = {"fault": fault}
+  out = {"fault": fault, "seed": seed}
   if fault != "none":
-    run.wait_step(2, args.kill_at)
+    run.wait_step(2, args.kill_at + 2 * seed)
     t_kill = time.time()
     killed_at = {s: run.last_step(s) for s in range(SITES)}
     if fault in ("elastic", "elastic_lost"):
@@ -232,22 +239,40 @@ def _lost_steps_to_checkpoint(run: _Run, site: int, killed_at_step: int, args) -
   return killed_at_step - saved * args.every
 
 
+_COLUMNS = ("site_steps_lost", "seconds_no_progress", "seconds_to_every_site_training", "wall_s",
+            "test_bits_per_byte")
+
+
+def _cell(values: list[float], digits: int) -> str:
+  """The mean, and the min-max over the seeds when there are several."""
+  if not values:
+    return "-"
+  mean = f"{np.mean(values):.{digits}f}"
+  if len(values) == 1:
+    return mean
+  return f"{mean} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
 def render(rows: list[dict], command: str, args) -> str:
+  seeds = sorted({r["seed"] for r in rows})
+  kills = ", ".join(str(args.kill_at + 2 * s) for s in seeds)
   lines = [f"Three sites of text_gpt_cpu (gpt_cpu, 6.4M parameters, non-IID by file), DiLoCo "
            f"H = {args.every}, {args.steps} inner Adam steps per site, one process per site on "
-           f"a 2-core CPU; site 2 killed at its inner step {args.kill_at}; lighthouse "
+           f"a 2-core CPU; site 2 killed at its inner step {kills} (seeds {seeds}); lighthouse "
            f"quorum_timeout_s = {args.quorum_timeout_s:g}; checkpoints every "
-           f"{args.checkpoint_every} rounds ({args.checkpoint_every * args.every} steps).", "",
+           f"{args.checkpoint_every} rounds ({args.checkpoint_every * args.every} steps). "
+           f"Mean over {len(seeds)} seed(s), min-max in parentheses.", "",
            "| run | site-steps lost | s the live sites made no progress | s until every site "
            "trains again | wall s | test bits/byte |", "|---|---|---|---|---|---|"]
-  for r in rows:
-    cell = lambda k: f"{r[k]:.1f}" if k in r else "-"
-    lines.append(f"| {r['fault']} | {r.get('site_steps_lost', 0)} | "
-                 f"{cell('seconds_no_progress')} | {cell('seconds_to_every_site_training')} | "
-                 f"{r['wall_s']:.0f} | {r['test_bits_per_byte']:.3f} |")
+  for fault in dict.fromkeys(r["fault"] for r in rows):
+    runs = [r for r in rows if r["fault"] == fault]
+    cells = [_cell([r.get(k, 0) for r in runs] if k == "site_steps_lost"
+                   else [r[k] for r in runs if k in r], d)
+             for k, d in zip(_COLUMNS, (0, 1, 1, 0, 3))]
+    lines.append(f"| {fault} | " + " | ".join(cells) + " |")
   lines += ["", "Quorums per round: " + "; ".join(
-      f"{r['fault']}: " + " ".join("".join(map(str, q)) for q in r["quorums"]) for r in rows),
-            "", f"Command: `{command}`", ""]
+      f"{r['fault']} (seed {r['seed']}): " + " ".join("".join(map(str, q)) for q in r["quorums"])
+      for r in rows), "", f"Command: `{command}`", ""]
   return "\n".join(lines)
 
 
@@ -262,13 +287,15 @@ def main(argv=None) -> int:
   p.add_argument("--checkpoint-every", type=int, default=2, help="rounds between checkpoints")
   p.add_argument("--quorum-timeout-s", type=float, default=10.0)
   p.add_argument("--runs", default="none,elastic,elastic_lost,restart")
+  p.add_argument("--seeds", default="0", help="comma-separated seeds (e.g. 0,1,2)")
   p.add_argument("--name", default="elastic_gpt_cpu")
   p.add_argument("--out", default=str(ROOT / "results"))
   args = p.parse_args(argv)
   rows = []
-  for fault in args.runs.split(","):
-    rows.append(one_run(args, fault))
-    print(json.dumps(rows[-1]), flush=True)
+  for seed in [int(s) for s in args.seeds.split(",")]:
+    for fault in args.runs.split(","):
+      rows.append(one_run(args, fault, seed))
+      print(json.dumps(rows[-1]), flush=True)
   command = "python experiments/elastic.py " + " ".join(argv)
   out = pathlib.Path(args.out)
   (out / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
