@@ -64,6 +64,7 @@ def test_block_rank_deficient_masks_the_rest_and_zero_gradient_gives_zeros():
   assert int(zero.rank) == 0
 
 
+@pytest.mark.slow  # about 13 s
 def test_block_warm_start_from_the_answer_converges_at_once_and_memory_is_added():
   a, d = _rows(30, 10, 8, seed=3)
   first = _block(a, d, rank=3, iters=300)

@@ -89,7 +89,7 @@ def _mixed(factory):
   return Mixed(factory, factory.dot_general_cls)
 
 
-@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+@pytest.mark.parametrize("backend", [pytest.param("vmap", marks=pytest.mark.slow), "shard_map"])
 def test_bucket_equals_per_layer_dad_and_pooled_after_20_steps(backend):
   # The same products A^T D, formed after the backward pass instead of inside it.
   x, y = _data((16, 4, 6))

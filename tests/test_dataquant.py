@@ -132,6 +132,7 @@ def test_uniform_quantizer_exact_cases_and_bits():
   assert DQ.uniform_header_bits(40, "feature") == 64 * 40
 
 
+@pytest.mark.slow  # about 13 s
 def test_codebook_learns_clusters_and_counts_bits():
   centers = jnp.array([[0.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 1], [5, 5, 0, 0]])
   idx = jax.random.randint(jax.random.key(0), (64, 3), 0, 4)

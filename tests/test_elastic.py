@@ -474,6 +474,7 @@ def test_a_killed_site_is_dropped_and_a_restart_rejoins(sites):
   assert final_loss < 2 * reference + 0.02, (final_loss, reference)
 
 
+@pytest.mark.slow  # about 26 s; the kill-and-rejoin process test runs by default
 def test_a_loss_during_a_synchronization_and_two_losses_in_a_row(sites):
   run = sites(3)
   run.start("s0", 0)

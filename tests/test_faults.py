@@ -204,6 +204,7 @@ def test_no_intact_checkpoint_is_an_error_naming_each(tmp_path):
   assert run.final["step"] == 6
 
 
+@pytest.mark.slow  # about 10 s; the damaged-checkpoint fallbacks run by default
 def test_deleted_step_metadata_alone_still_resumes(tmp_path, reference, capsys):
   # orbax's per-step _CHECKPOINT_METADATA (timestamps) is not needed to restore;
   # the content checksums pass, so nothing valid is thrown away.
@@ -315,6 +316,7 @@ def test_two_concurrent_runs(tmp_path, reference):
   chex.assert_trees_all_close(run.params, reference.params, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # about 10 s
 def test_finished_run_reruns_as_a_no_op(tmp_path, capsys):
   ckpt = tmp_path / "ckpt"
   args = ["train", "--no-progress", f"checkpoint_dir={ckpt}", "steps=4", "eval_every=2",
@@ -793,6 +795,7 @@ def test_no_space_left_during_a_checkpoint(small_disk, tmp_path, capsys):
   assert [r["step"] for r in rows] == [2, 4, 6, 8]
 
 
+@pytest.mark.slow  # about 18 s; the checkpoint's full disk runs by default
 def test_no_space_left_during_a_metrics_write(small_disk, tmp_path, capsys):
   ckpt, out = tmp_path / "ckpt", small_disk / "out"
   args = ["steps=30", "eval_every=1", "checkpoint_every=2", f"checkpoint_dir={ckpt}",

@@ -219,6 +219,7 @@ def test_a_collective_failing_on_the_lost_peer_ends_with_the_lost_line(tmp_path)
   _assert_lost(err, peer=1)
 
 
+@pytest.mark.slow  # about 16 s; the lost-peer tests of process 1 run by default
 def test_sigkill_of_process_0_ends_process_1_with_the_lost_line(tmp_path):
   # Process 0 hosts JAX's coordination service: JAX aborts process 1's worker (SIGABRT) at
   # once, and the command that supervises it prints the line.

@@ -198,6 +198,7 @@ def test_train_with_grain_on_shard_map_equals_the_in_memory_path(tmp_path, whole
   chex.assert_trees_all_close(grain_run.params, memory.params, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # about 23 s
 def test_sigterm_mid_epoch_saves_the_read_ahead_pipeline_and_resumes_bit_identical(
     tmp_path, whole, capsys):
   import os

@@ -116,6 +116,7 @@ def test_compile_command_prints_the_compilers_report_as_json(tmp_path, capsys):
       + out["code_bytes"])
 
 
+@pytest.mark.slow  # about 40 s: 1,024 devices; the v5e:2x2 x2 compiles run by default
 @needs_libtpu
 @pytest.mark.parametrize("method", ["sparseloco:50"])
 def test_chunked_top_k_on_a_thousand_chips_compiles_where_xla_aborted(tmp_path, method):
@@ -200,6 +201,7 @@ def _site_map_report(spec):
   return pod.compile_report(train_step.lower(params, opt_state, batch), mesh, label=spec)
 
 
+@pytest.mark.slow  # about 18 s; the three-method compile checks PowerSGD's state spread by default
 @needs_libtpu
 def test_site_map_places_a_methods_state_like_the_parameters():
   base = _site_map_report("allreduce")

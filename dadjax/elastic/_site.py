@@ -25,8 +25,8 @@ import optax
 
 from dadjax.compress import Compressor, Keys, step_keys
 from dadjax.elastic._wire import WireError, dtype_of, recv, send
-from dadjax.local import Outer, default_outer, outer_merge, pseudo_gradient, sync_plan
-from dadjax.local._plan import check_schedule, leaves_of, put_leaves
+from dadjax.local import (Outer, check_schedule, default_outer, leaves_of, outer_merge,
+                          pseudo_gradient, put_leaves, sync_plan)
 
 _PAYLOAD_DTYPES = ("float32", "bfloat16")
 

@@ -36,7 +36,7 @@ from dadjax.local._dct import ChunkLayout, chunk_layout, dct_matrix, from_chunks
 from dadjax.local._frontier import demo, demo_outer, sparseloco
 from dadjax.local._diloco import diloco, local_sgd, streaming_diloco
 from dadjax.local._periodic import LocalState, local_updates
-from dadjax.local._plan import SyncPlan, sync_plan
+from dadjax.local._plan import SyncPlan, check_schedule, leaves_of, put_leaves, sync_plan
 from dadjax.local._steps import (Communicate, Exchange, Merge, Outer, averaging, default_outer,
                                  exchange_init, exchange_mean, outer_init, outer_merge, outer_step,
                                  pseudo_gradient)
@@ -51,6 +51,9 @@ __all__ = [
     "LocalState",
     "SyncPlan",
     "sync_plan",
+    "check_schedule",
+    "leaves_of",
+    "put_leaves",
     "sparseloco",
     "demo",
     "demo_outer",
