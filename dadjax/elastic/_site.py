@@ -25,8 +25,8 @@ import optax
 
 from dadjax.compress import Compressor, Keys, step_keys
 from dadjax.elastic._wire import WireError, dtype_of, recv, send
-from dadjax.local import (Outer, check_schedule, default_outer, leaves_of, outer_merge,
-                          pseudo_gradient, put_leaves, sync_plan)
+from dadjax.local import (Outer, check_schedule, chunked_topk, default_outer, demo_outer,
+                          leaves_of, outer_merge, pseudo_gradient, put_leaves, sync_plan)
 
 _PAYLOAD_DTYPES = ("float32", "bfloat16")
 
@@ -103,8 +103,9 @@ class ElasticDiLoCo:
     if not (isinstance(self.every, int) and self.every >= 1):
       raise ValueError(f"every must be an int >= 1, got {self.every!r}")
     check_schedule(self.every, self.fragments, self.delay, "ElasticDiLoCo")
-    first = [(p + 1) * self.every // self.fragments for p in range(self.fragments)]
-    gap = min(b - a for a, b in zip([0] + first, first))
+    # the send steps depend on every and fragments alone: one scalar leaf per fragment
+    first = sync_plan([np.zeros(())] * self.fragments, self.every, self.fragments).first
+    gap = min(b - a for a, b in zip((0,) + first, first))
     if self.delay >= gap:
       raise ValueError(f"delay must be an int in [0, {gap - 1}] (less than the {gap} steps "
                        f"between two sends of every={self.every} with fragments="
@@ -144,7 +145,6 @@ def sparseloco(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTr
     A. Sarfi, B. Therien, J. Lidin, E. Belilovsky, "Communication Efficient LLM
     Pre-training with SparseLoCo", 2025 (https://arxiv.org/abs/2508.15706).
   """
-  from dadjax.local import chunked_topk  # pylint: disable=g-import-not-at-top
   values = _one_round(values) if values is not None else None
   return ElasticDiLoCo(loss_fn, inner, every, outer=optax.sgd(outer_lr),
                        compressor=chunked_topk(k, chunk, values=values), seed=seed, decay=decay)
@@ -194,7 +194,6 @@ def demo(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransfor
     B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum
     Optimization", 2024 (https://arxiv.org/abs/2411.19870).
   """
-  from dadjax.local import chunked_topk, demo_outer  # pylint: disable=g-import-not-at-top
   if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
     raise ValueError(f"lr must be a number > 0, got {lr!r}")
   if isinstance(weight_decay, bool) or not (isinstance(weight_decay, (int, float))
