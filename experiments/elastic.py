@@ -80,7 +80,7 @@ def site_main(argv: list[str]) -> int:
   method = elastic.ElasticDiLoCo(loss_fn, optax.adam(2e-3), every)
   run = elastic.run_site(method, params, batch_at, lighthouse=address, site=site, steps=steps,
                          checkpoint_dir=ckpt, checkpoint_every_rounds=ckpt_every,
-                         on_round=lambda row: print(json.dumps(dict(row, t=time.time())),
+                         on_round=lambda row, _: print(json.dumps(dict(row, t=time.time())),
                                                     flush=True),
                          on_step=lambda step, _: print(json.dumps({"step": step, "t": time.time()}),
                                                        flush=True))

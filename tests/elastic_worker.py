@@ -90,7 +90,7 @@ def main() -> int:
   run = elastic.run_site(method(args.every, args.compressor), init_params(), slow_batch,
                          lighthouse=args.address, site=args.site, steps=args.steps,
                          checkpoint_dir=args.checkpoint,
-                         on_round=lambda row: print(json.dumps(row), flush=True))
+                         on_round=lambda row, _: print(json.dumps(row), flush=True))
   flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(run.anchor)])
   print(json.dumps({"final": flat.tolist(), "site": args.site}), flush=True)
   return 0

@@ -12,15 +12,18 @@ elastic run is its own JAX program, and the outer step goes through a
   (inner steps under ``jit``, the outer step on the mean), fp32, bf16 or
   through a dadjax compressor; :func:`streaming_diloco`, :func:`sparseloco`
   and :func:`demo` its Streaming DiLoCo, SparseLoCo and DeMo forms.
-* ``python -m dadjax.elastic --port 5555 --expected-sites 4``: a lighthouse
-  on its own.
+* ``python -m dadjax.elastic --port 5555 --expected-sites 4`` (or ``dadjax
+  lighthouse``): a lighthouse on its own; ``dadjax train --lighthouse HOST:PORT
+  --site I`` one site of a config (:func:`dadjax.run.train_site`).
 
 See the guide ``docs/elastic.md``.
 """
 
 from dadjax.elastic._lighthouse import Lighthouse
+from dadjax.elastic._serve import add_lighthouse_arguments, serve_lighthouse
 from dadjax.elastic._site import (DecayingMemory, ElasticDiLoCo, LighthouseUnreachable, SiteRun,
                                   SiteState, demo, run_site, sparseloco, streaming_diloco)
 
 __all__ = ["DecayingMemory", "ElasticDiLoCo", "Lighthouse", "LighthouseUnreachable", "SiteRun",
-           "SiteState", "demo", "run_site", "sparseloco", "streaming_diloco"]
+           "SiteState", "add_lighthouse_arguments", "demo", "run_site", "serve_lighthouse", "sparseloco",
+           "streaming_diloco"]

@@ -176,7 +176,7 @@ def streaming_diloco(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.Grad
 
 
 def demo(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransformation,
-         every: int = 1, *, lr: float = 4e-4, k: int = 32, chunk: int = 64,
+         every: int = 1, *, lr: float | Callable[[Any], Any] = 4e-4, k: int = 32, chunk: int = 64,
          decay: float = 0.999, weight_decay: float = 0.0, sign: bool = True,
          seed: int = 0) -> ElasticDiLoCo:
   """DeMo across sites that come and go: :func:`dadjax.local.demo`'s exchange, one round per ``every`` steps.
@@ -185,7 +185,7 @@ def demo(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransfor
   (``m <- decay * m + Delta``), sends the ``k`` largest DCT-II coefficients of
   every ``chunk x chunk`` block of ``m`` and removes them from ``m``; every
   site decodes the quorum's mean and takes ``-lr * sign(mean)`` (with decoupled
-  ``weight_decay``). The momentum is the site's own: a joiner's starts at
+  ``weight_decay``; ``lr`` a number or an optax schedule of the round). The momentum is the site's own: a joiner's starts at
   zero. With every site present it is :func:`dadjax.local.demo` over the
   sites. The paper's DeMo is ``inner=optax.sgd(lr)``, ``every=1``: a
   lighthouse round per inner step.
@@ -194,8 +194,8 @@ def demo(loss_fn: Callable[[Any, Any], jax.Array], inner: optax.GradientTransfor
     B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum
     Optimization", 2024 (https://arxiv.org/abs/2411.19870).
   """
-  if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
-    raise ValueError(f"lr must be a number > 0, got {lr!r}")
+  if not callable(lr) and (isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0)):
+    raise ValueError(f"lr must be a number > 0 or an optax schedule, got {lr!r}")
   if isinstance(weight_decay, bool) or not (isinstance(weight_decay, (int, float))
                                             and weight_decay >= 0):
     raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
@@ -518,7 +518,8 @@ class _Site:
     self.state = self.state._replace(inner_state=inner_state)
     self.losses.append(loss)
     self.step += 1
-    rows = np.shape(jax.tree.leaves(batch)[0])[0]
+    # the rows: the leading size of the first leaf that has one (a scalar entry is not data)
+    rows = next(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
     self.rows_since = [r + rows for r in self.rows_since]
     return loss
 
@@ -592,7 +593,7 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
              lighthouse: str, site: int, steps: int, checkpoint_dir=None,
              checkpoint_every_rounds: int = 1, timeout_s: float = 600.0,
              log: Callable[[str], None] | None = None,
-             on_round: Callable[[dict], None] | None = None,
+             on_round: Callable[[dict, SiteState], None] | None = None,
              on_step: Callable[[int, float], None] | None = None) -> SiteRun:
   """Trains one site of an elastic run until ``steps`` inner steps are done.
 
@@ -609,7 +610,8 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
   Args:
     method: the :class:`ElasticDiLoCo` (loss, inner and outer optimizers, H).
     params: the initial parameters (the same on every site: the same seed).
-    batch_at: ``(site, step) -> batch`` of that site's data at an inner step.
+    batch_at: ``(site, step) -> batch`` of that site's data at an inner step (a pytree; its
+      first leaf with a leading axis counts the rows, scalar entries such as a step are not rows).
     lighthouse: ``"host:port"`` of the :class:`~dadjax.elastic.Lighthouse`.
     site: this site's id (int >= 0); a restart uses the same id.
     steps: inner steps of the run (a multiple of ``method.every``).
@@ -618,7 +620,8 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
     checkpoint_every_rounds: rounds between checkpoints (int >= 1).
     timeout_s: how long a request to the lighthouse may take, seconds.
     log: called with each ``dadjax: elastic:`` line (default: stderr).
-    on_round: called with each row of :attr:`SiteRun.rows` as it is made.
+    on_round: called with each row of :attr:`SiteRun.rows` as it is made and the site's
+      :class:`SiteState` after that round's merge (its ``anchor``: the new global parameters).
     on_step: called with ``(step, loss)`` after each inner step (it waits for
       the step's loss: a progress read-out, at the cost of JAX's run-ahead).
 
@@ -652,7 +655,7 @@ def run_site(method: ElasticDiLoCo, params: Any, batch_at: Callable[[int, int], 
       if me.step <= steps and me.sends_now():
         merged = me.send() or merged
       if merged is not None and on_round is not None:
-        on_round(merged)
+        on_round(merged, me.state)
   finally:
     me.close()
   _request(lighthouse, {"kind": "leave", "site": site}, timeout_s=timeout_s)

@@ -14,6 +14,8 @@ running. The command line (``dadjax``: :func:`main`) and the demo
 * ``_metrics_file``: the metrics file (JSON lines);
 * ``_optim``: optimizer and schedule specs (``adam(b1=0.9)``);
 * ``_targets``: :func:`to_target`, steps, bits and time to a target metric;
+* ``_elastic``: :func:`train_site`, one site of an elastic run from a config
+  (``dadjax train --lighthouse HOST:PORT --site I``);
 * ``_cli`` / ``_demo``: the command line and the demo table.
 
 ``dadjax.train``, ``dadjax.config`` and ``dadjax.cli`` stay importable as
@@ -24,6 +26,7 @@ from dadjax.run._checkpoint import (FINGERPRINT_EXCLUDED, CheckpointDir, fingerp
                                     state_digest, truncate_metrics)
 from dadjax.run._cli import describe_methods, main
 from dadjax.run._config import Config, load_config, parse_lr_schedule, validate
+from dadjax.run._elastic import ELASTIC_METHODS, elastic_method, train_site
 from dadjax.run._demo import DEFAULT_METHODS, format_table, run_demo
 from dadjax.run._loop import (Run, build, build_step, compiled_ops, evaluate, local_optimizer, make_optimizer,
                               make_schedule, method_and_model, network_model, state_rows, train)
@@ -31,7 +34,7 @@ from dadjax.run._metrics_file import MetricsFile, json_row
 from dadjax.run._targets import Reached, higher_is_better, to_target
 
 __all__ = [
-    "train", "build", "build_step", "method_and_model", "evaluate", "Run", "state_rows", "compiled_ops", "network_model",
+    "train", "train_site", "elastic_method", "ELASTIC_METHODS", "build", "build_step", "method_and_model", "evaluate", "Run", "state_rows", "compiled_ops", "network_model",
     "make_optimizer", "local_optimizer", "make_schedule",
     "Config", "load_config", "validate", "parse_lr_schedule",
     "CheckpointDir", "fingerprint", "state_digest", "truncate_metrics", "FINGERPRINT_EXCLUDED",

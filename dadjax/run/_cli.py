@@ -1,4 +1,4 @@
-"""The ``dadjax`` command: ``train``, ``compile``, ``dryrun``, ``demo``, ``methods``, ``plot``, ``netlab``.
+"""The ``dadjax`` command: ``train``, ``compile``, ``dryrun``, ``demo``, ``methods``, ``plot``, ``netlab``, ``lighthouse``.
 
 A mistake in the command line, the config or the checkpoint directory is
 reported as one line, ``dadjax: error: ...``, with exit code 2; ``--debug``
@@ -69,6 +69,17 @@ def _distributed_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--process-id", type=int, metavar="I", help="this process's rank in [0, N)")
 
 
+def _elastic_flags(parser: argparse.ArgumentParser) -> None:
+  group = parser.add_argument_group(
+      "elastic", "train one site of an elastic local-update run (diloco, local_sgd, "
+      "streaming_diloco, sparseloco, demo): sites may be lost and started again "
+      "(docs/elastic.md)")
+  group.add_argument("--lighthouse", metavar="HOST:PORT",
+                     help="the run's lighthouse (dadjax lighthouse)")
+  group.add_argument("--site", type=int, metavar="I",
+                     help="this site's id in [0, num_sites): its data partition")
+
+
 def _distributed(args: argparse.Namespace) -> bool:
   """Call ``dadjax.initialize`` when the command line asks for many processes."""
   explicit = (args.coordinator, args.num_processes, args.process_id)
@@ -107,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
   p_train.add_argument("--restart", action="store_true",
                        help="delete the checkpoints in checkpoint_dir and start from step 0")
   _distributed_flags(p_train)
+  _elastic_flags(p_train)
   p_train.set_defaults(handler=_train)
   _debug_flag(p_train)
   p_demo = sub.add_parser("demo", help="every method on the embedded digits over 8 sites")
@@ -154,6 +166,12 @@ def _parser() -> argparse.ArgumentParser:
   _plugin_flag(p_methods)
   p_methods.set_defaults(handler=_methods)
   _debug_flag(p_methods)
+  p_light = sub.add_parser("lighthouse", help="the quorum service of an elastic run (sites "
+                           "started with dadjax train --lighthouse HOST:PORT --site I)")
+  from dadjax.elastic import add_lighthouse_arguments, serve_lighthouse  # pylint: disable=g-import-not-at-top
+  add_lighthouse_arguments(p_light)
+  p_light.set_defaults(handler=serve_lighthouse)
+  _debug_flag(p_light)
   from dadjax.netlab import add_parser as add_netlab  # pylint: disable=g-import-not-at-top
   add_netlab(sub, _debug_flag)
   return parser
@@ -219,6 +237,10 @@ def _many_processes(args: argparse.Namespace) -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
+  if (args.lighthouse is None) != (args.site is None):
+    raise DadjaxError("--lighthouse and --site go together (one site of an elastic run)")
+  if args.lighthouse is not None:
+    return _train_site(args)
   if _many_processes(args) and not os.environ.get(_SUPERVISED_ENV):
     return _supervise(args.argv, args.process_id)
   from dadjax.run._config import load_config  # pylint: disable=g-import-not-at-top
@@ -242,6 +264,23 @@ def _train(args: argparse.Namespace) -> int:
   if many:
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.shutdown()
+  return 0
+
+
+def _train_site(args: argparse.Namespace) -> int:
+  """``dadjax train --lighthouse HOST:PORT --site I``: one site, its own JAX program."""
+  if _many_processes(args):
+    raise DadjaxError("--lighthouse runs one site per process: it takes none of --distributed, "
+                      "--coordinator, --num-processes, --process-id")
+  from dadjax.run._config import load_config  # pylint: disable=g-import-not-at-top
+  config = load_config(args.config, args.overrides)
+  from dadjax.run._elastic import train_site  # pylint: disable=g-import-not-at-top
+  from dadjax.run._metrics_file import json_row  # pylint: disable=g-import-not-at-top
+  try:
+    train_site(config, args.lighthouse, args.site,
+               log=lambda row: print(json_row(row), flush=True))
+  except ConnectionError as e:  # LighthouseUnreachable
+    raise DadjaxError(str(e)) from None
   return 0
 
 
