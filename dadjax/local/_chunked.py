@@ -27,8 +27,9 @@ class ChunkedPayload(NamedTuple):
   """What a site sends: the kept values (raw, or the quantizer's payload) and packed positions.
 
   Attributes:
-    values: a tuple with one ``(chunks, k)`` array per leaf, or the value
-      quantizer's payload of that tuple.
+    values: a tuple with one ``grid + (k,)`` array per leaf (``grid``: the leaf's
+      :attr:`~dadjax.local.ChunkLayout.grid` of chunks), or the value quantizer's payload
+      of that tuple.
     positions: a tuple with one uint32 word array per leaf: the kept
       positions inside their chunks, ``code_bits(chunk size)`` bits each.
   """
@@ -105,10 +106,10 @@ def _layouts(opts: _Chunked, tree) -> list[ChunkLayout]:
 
 
 def _values_like(opts: _Chunked, tree):
-  """The tree of kept values: one ``(chunks, k)`` array per leaf, paths kept."""
+  """The tree of kept values: one ``grid + (k,)`` array per leaf, paths kept."""
   leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct((lay.chunks, _kept(lay, opts.k)), jnp.result_type(x))
+      jax.ShapeDtypeStruct(lay.grid + (_kept(lay, opts.k),), jnp.result_type(x))
       for x, lay in zip(leaves, _layouts(opts, tree))])
 
 
@@ -124,7 +125,8 @@ _NEGATIVE, _NAN = 1 << 30, 1 << 29  # flags beside a position (< 2**29) in a sor
 
 
 def _select(opts: _Chunked, rows: jax.Array, layout: ChunkLayout):
-  """The catalog's top-k on every chunk: ``(values, positions)``, each ``(chunks, k)``.
+  """The catalog's top-k on every chunk (the last axis of ``rows``): ``(values, positions)``,
+  each ``rows.shape[:-1] + (k,)``.
 
   The same entries in the same order as :func:`~dadjax.compress.topk` per chunk (largest
   magnitude first, ties to the lower position, NaN first; above half the chunk, in
@@ -154,7 +156,7 @@ def _compress(opts: _Chunked, grads, state, key):
   leaves, treedef = jax.tree.flatten(grads)
   kept, words = [], []
   for x, lay in zip(leaves, _layouts(opts, grads)):
-    vals, pos = _select(opts, to_chunks(x, lay, opts.dct), lay)
+    vals, pos = _select(opts, to_chunks(x, lay, opts.dct, grid=True), lay)
     kept.append(vals.astype(x.dtype))
     words.append(pack_leaf(pos.astype(jnp.uint32), code_bits(lay.size)))
   vals = jax.tree.unflatten(treedef, kept)
@@ -163,19 +165,27 @@ def _compress(opts: _Chunked, grads, state, key):
   return ChunkedPayload(vals, tuple(words)), state
 
 
-def _rows_of(opts: _Chunked, payload, like, key) -> list:
-  """Every leaf's dense ``(chunks, size)`` rows of coefficients (fp32), from one payload."""
+def _rows_of(opts: _Chunked, payload, like, key, sites: bool = False) -> list:
+  """Every leaf's dense ``grid + (size,)`` rows of coefficients (fp32), from one payload, or
+  their sum over the gathered payloads of ``sites`` (a leading axis on every leaf): all sites'
+  entries are added into one buffer per leaf, never one dense copy per site."""
   vals = payload.values
   if opts.values is not None:
-    vals = opts.values.decompress(vals, _values_like(opts, like), key)
+    def decode(v):
+      return opts.values.decompress(v, _values_like(opts, like), key)
+    vals = jax.vmap(decode)(vals) if sites else decode(vals)
   out = []
   for lay, v, w in zip(_layouts(opts, like), jax.tree.leaves(vals), payload.positions):
-    kept = _kept(lay, opts.k)
-    pos = unpack_leaf(w, code_bits(lay.size), (lay.chunks, kept))
-    rows = jnp.zeros((lay.chunks, lay.size), jnp.float32)
-    rows = rows.at[jnp.arange(lay.chunks)[:, None], pos.astype(jnp.int32)].add(
-        v.astype(jnp.float32))
-    out.append(rows)
+    shape = lay.grid + (_kept(lay, opts.k),)
+    pos = unpack_leaf(w, code_bits(lay.size), shape).astype(jnp.int32)
+    v = v.astype(jnp.float32)
+    if sites:  # (sites,) + grid + (kept,) -> grid + (sites * kept,)
+      pos, v = (jnp.moveaxis(a, 0, -2).reshape(lay.grid + (-1,)) for a in (pos, v))
+    # each grid axis indexed by an iota: a scatter the SPMD partitioner splits as the grid is
+    # split (under vmap, as batching dimensions, it aborts the TPU compiler on 1,024 chips)
+    grid = tuple(jax.lax.broadcasted_iota(jnp.int32, pos.shape, d) for d in range(len(lay.grid)))
+    rows = jnp.zeros(lay.grid + (lay.size,), jnp.float32)
+    out.append(rows.at[(*grid, pos)].add(v))
   return out
 
 
@@ -192,9 +202,8 @@ def _decompress(opts: _Chunked, payload, like, key):
 
 def _aggregate(opts: _Chunked, gathered, like, key):
   n = jax.tree.leaves(gathered)[0].shape[0]
-  per_site = jax.vmap(lambda p: _rows_of(opts, p, like, key))(gathered)
   # the inverse DCT is linear: average the coefficients, transform once
-  return _back(opts, [jnp.sum(r, axis=0) / n for r in per_site], like)
+  return _back(opts, [r / n for r in _rows_of(opts, gathered, like, key, sites=True)], like)
 
 
 def chunked_bits(shapes: list[tuple[int, ...]], k: int, chunk: int, value_bits: int = 32,

@@ -77,6 +77,14 @@ class ChunkLayout(NamedTuple):
     return (self.rows // self.a) * (self.cols // self.b)
 
   @property
+  def grid(self) -> tuple[int, ...]:
+    """The chunks' grid: ``(rows // a, cols // b)`` block rows and columns of a matrix,
+    ``(cols // b,)`` for a vector (its product is :attr:`chunks`)."""
+    if self.matrix:
+      return (self.rows // self.a, self.cols // self.b)
+    return (self.cols // self.b,)
+
+  @property
   def size(self) -> int:
     """Entries per chunk."""
     return self.a * self.b
@@ -103,8 +111,14 @@ def chunk_layout(shape: tuple[int, ...], side: int) -> ChunkLayout:
   return ChunkLayout(shape, 1, n, 1, largest_divisor(n, side))
 
 
-def to_chunks(x: jax.Array, layout: ChunkLayout, dct: bool = False) -> jax.Array:
-  """``x`` as ``(chunks, size)`` rows (DCT coefficients when ``dct``), in fp32 or wider."""
+def to_chunks(x: jax.Array, layout: ChunkLayout, dct: bool = False,
+              grid: bool = False) -> jax.Array:
+  """``x`` as ``(chunks, size)`` rows (DCT coefficients when ``dct``), in fp32 or wider.
+
+  ``grid=True``: as ``layout.grid + (size,)`` instead, the block rows and columns kept
+  apart: a tensor split over devices along either axis stays split the same way (merging
+  the two axes would make the SPMD partitioner gather a column-split tensor whole).
+  """
   x = jnp.asarray(x)
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   a, b = layout.a, layout.b
@@ -113,7 +127,7 @@ def to_chunks(x: jax.Array, layout: ChunkLayout, dct: bool = False) -> jax.Array
     if dct:
       da, db = (jnp.asarray(dct_matrix(n), x.dtype) for n in (a, b))
       blocks = jnp.einsum("ij,yxjl,kl->yxik", da, blocks, db)
-    return blocks.reshape(-1, a * b)
+    return blocks.reshape(layout.grid + (a * b,) if grid else (-1, a * b))
   chunks = x.reshape(-1, b)
   if dct:
     chunks = chunks @ jnp.asarray(dct_matrix(b), x.dtype).T
@@ -121,7 +135,8 @@ def to_chunks(x: jax.Array, layout: ChunkLayout, dct: bool = False) -> jax.Array
 
 
 def from_chunks(chunks: jax.Array, layout: ChunkLayout, dct: bool = False) -> jax.Array:
-  """The tensor of ``layout.shape`` whose :func:`to_chunks` is ``chunks`` (the inverse)."""
+  """The tensor of ``layout.shape`` whose :func:`to_chunks` is ``chunks`` (the inverse; either
+  form, ``(chunks, size)`` or ``layout.grid + (size,)``)."""
   a, b = layout.a, layout.b
   if layout.matrix:
     blocks = chunks.reshape(layout.rows // a, layout.cols // b, a, b)
