@@ -61,7 +61,7 @@ def chunked_topk(k: int = 32, chunk: int = 64, *, dct: bool = False,
     chunk: target block side ``s``, an int >= 1 (both papers: 64).
     dct: select DCT coefficients instead of entries.
     values: a stateless compressor of the kept values (each tensor's
-      ``(chunks, k)`` values are one leaf for it), e.g.
+      ``grid + (k,)`` values are one leaf for it), e.g.
       ``dadjax.compress.terngrad()`` for 2 bits; ``None`` sends them in the
       tensor's dtype.
 
