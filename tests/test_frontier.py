@@ -54,6 +54,10 @@ def test_chunk_round_trip_is_the_identity(shape, dct):
   rows = local.to_chunks(x, lay, dct)
   assert rows.shape == (lay.chunks, lay.size) and lay.chunks * lay.size == x.size
   np.testing.assert_allclose(local.from_chunks(rows, lay, dct), x, atol=2e-6)
+  grid = local.to_chunks(x, lay, dct, grid=True)  # the same chunks, block rows and columns apart
+  assert grid.shape == lay.grid + (lay.size,)
+  np.testing.assert_array_equal(np.reshape(grid, rows.shape), rows)
+  np.testing.assert_allclose(local.from_chunks(grid, lay, dct), x, atol=2e-6)
   # orthonormal: the transform keeps the Euclidean norm
   np.testing.assert_allclose(np.linalg.norm(rows), np.linalg.norm(x), rtol=1e-5)
 

@@ -24,18 +24,18 @@ needs_libtpu = pytest.mark.skipif(not pod.has_libtpu(),
 D_IN, HIDDEN, CLASSES = 256, 512, 16  # kernels of 128K / 256K entries: big next to the rest
 
 
-def _mlp_report(spec, topology="v5e:2x2", slices=2, per_chip=2):
+def _mlp_report(spec, topology="v5e:2x2", slices=2, per_chip=2, d_in=D_IN, hidden=HIDDEN):
   devices = pod.topology_devices(topology, slices)
   per_site = len(devices) // slices
   mesh = pod.pod_mesh(devices, slices, {"fsdp": per_site})
   method = dadjax.build_method(spec, axis_name="data", seed=0)
   dense = {"dense": method.dense} if method.dense is not None else {}
-  model = models.get_model("mlp", CLASSES, hidden=(HIDDEN, HIDDEN), **dense)
+  model = models.get_model("mlp", CLASSES, hidden=(hidden, hidden), **dense)
   step = make_train_step(model, method.optimizer(optax.adam(1e-3)), mesh=mesh, shard_params=True)
-  state = abstract_state(step, jax.random.key(0), jax.ShapeDtypeStruct((per_site, D_IN),
+  state = abstract_state(step, jax.random.key(0), jax.ShapeDtypeStruct((per_site, d_in),
                                                                        jnp.float32))
   rows = slices * per_site * per_chip
-  batch = abstract_batch(step, {"x": jax.ShapeDtypeStruct((rows, D_IN), jnp.float32),
+  batch = abstract_batch(step, {"x": jax.ShapeDtypeStruct((rows, d_in), jnp.float32),
                                 "y": jax.ShapeDtypeStruct((rows,), jnp.int32)})
   return pod.compile_step(step, state, batch, label=spec), state, batch
 
@@ -98,6 +98,18 @@ def test_tpu_compiler_memory_and_collectives_of_three_methods():
   # than its state's whole bytes.
   extra = reports["powersgd:2"].argument_bytes - base.argument_bytes
   assert extra < 4 * PARAMS / 2, extra
+
+
+@needs_libtpu
+def test_chunked_top_k_keeps_each_chip_on_its_own_shard():
+  # The chunks were one (chunks, 64 * 64) array: merging block rows with block columns lost
+  # FSDP's split of a kernel over the 16 chips of a v5e-16 slice, and every chip held the
+  # 1024 x 2048 kernel's chunks whole for its sort and decode: 5.6x the all-reduce step's
+  # temporaries (2.7x as a grid of blocks; about 25 s: 32 devices).
+  big = {"topology": "v5e:4x4", "d_in": 1024, "hidden": 2048}
+  report = _mlp_report("sparseloco:50", **big)[0]
+  base = _mlp_report("allreduce", **big)[0]
+  assert report.temp_bytes <= 3.5 * base.temp_bytes, (report.temp_bytes, base.temp_bytes)
 
 
 @needs_libtpu
