@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,26 @@ from dadjax.elastic import _site
 
 IN, HIDDEN, ROWS = 8, 16, 16
 
+
+def in_threads(fn, sites, timeout_s: float = 300.0) -> dict:
+  """``{site: fn(site)}`` with each site in a thread of its own; a site's exception is raised
+  here, in the caller's thread."""
+  out, errors = {}, []
+
+  def go(site):
+    try:
+      out[site] = fn(site)
+    except Exception as e:  # noqa: BLE001 - reraised below, in the caller's thread
+      errors.append(e)
+
+  threads = [threading.Thread(target=go, args=(s,)) for s in sites]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=timeout_s)
+  if errors:
+    raise errors[0]
+  return out
 
 def init_params(seed: int = 0):
   k1, k2 = jax.random.split(jax.random.key(seed))

@@ -29,23 +29,9 @@ def _flat(tree) -> np.ndarray:
 
 
 def _sites_in_threads(address: str, method, steps: int, sites=(0, 1, 2)) -> dict:
-  runs, errors = {}, []
-
-  def go(site):
-    try:
-      runs[site] = elastic.run_site(method, elastic_worker.init_params(), elastic_worker.batch_at,
-                                    lighthouse=address, site=site, steps=steps, log=lambda _: None)
-    except Exception as e:  # noqa: BLE001 - reraised below, in the test's thread
-      errors.append(e)
-
-  threads = [threading.Thread(target=go, args=(s,)) for s in sites]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=120)
-  if errors:
-    raise errors[0]
-  return runs
+  return elastic_worker.in_threads(lambda site: elastic.run_site(
+      method, elastic_worker.init_params(), elastic_worker.batch_at, lighthouse=address,
+      site=site, steps=steps, log=lambda _: None), sites, timeout_s=120)
 
 
 def test_every_site_present_equals_pooled_sgd():

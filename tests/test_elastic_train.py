@@ -5,7 +5,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import threading
 
 import jax
 import numpy as np
@@ -16,6 +15,8 @@ from dadjax.errors import ConfigError
 from dadjax.run import Config, train, train_site
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import elastic_worker  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 BASE = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [32]}, num_sites=2,
             batch_per_site=16, optimizer="adam", lr=3e-3, eval_every=5, seed=3)
 
@@ -24,23 +25,11 @@ def _flat(tree) -> np.ndarray:
   return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
-def _sites(config: Config, sites=(0, 1)) -> dict:
-  runs, rows, errors = {}, {s: [] for s in sites}, []
-
+def _sites(config: Config, sites=(0, 1)) -> tuple[dict, dict]:
+  rows = {s: [] for s in sites}
   with elastic.Lighthouse(expected_sites=len(sites), quorum_timeout_s=60) as lighthouse:
-    def go(site):
-      try:
-        runs[site] = train_site(config, lighthouse.address, site, log=rows[site].append)
-      except Exception as e:  # noqa: BLE001 - reraised below, in the test's thread
-        errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(s,)) for s in sites]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(timeout=300)
-  if errors:
-    raise errors[0]
+    runs = elastic_worker.in_threads(
+        lambda site: train_site(config, lighthouse.address, site, log=rows[site].append), sites)
   return runs, rows
 
 
