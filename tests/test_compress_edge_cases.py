@@ -217,3 +217,53 @@ def test_update_tree_must_match_init(updates, match):
   state = c.init(_PARAMS)
   with pytest.raises(ValueError, match="error_feedback.*" + match):
     c.compress(updates, state, jax.random.key(0))
+
+
+# ------------------------------------------------------- a site of several devices
+
+
+@pytest.mark.parametrize("shape,split", [((12, 16), 1), ((16, 12), 0), ((5, 7), 0),
+                                         ((3, 4, 8), 2)])
+def test_top_k_on_a_sites_devices_keeps_the_catalog_entries(shape, split):
+  # Sites of 4 devices (a partially manual shard_map, the leaf split over "fsdp"): TopK
+  # selects on each device's own run of the flat tensor. The kept set must be top_k's, ties
+  # to the lower flat index and NaN first, and the mean over sites the same tensor.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  size = int(np.prod(shape))
+  x = np.round(np.random.default_rng(size).standard_normal((2,) + shape) * 2) / 2  # ties
+  x = x.astype(np.float32)
+  x[0].reshape(-1)[[1, size - 2]] = np.nan
+  x[1].reshape(-1)[3] = -np.inf
+  spec = [None] * len(shape)
+  if shape[split] % 4 == 0:
+    spec[split] = "fsdp"
+  placed = jax.device_put(x, NamedSharding(mesh, P("data", *spec)))
+  c = C.topk(0.3)
+  keys = C.Keys(jax.random.key(0), jax.random.key(1))
+
+  def site(g):
+    payload, _ = c.compress({"w": g[0]}, c.init({"w": g[0]}), keys)
+    return jax.tree.map(lambda a: a[None], payload)
+
+  got = jax.jit(jax.shard_map(site, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              axis_names={"data"}))(placed)
+  got = jax.tree.leaves(got, is_leaf=lambda a: isinstance(a, C.SparsePayload))[0]
+  k = round(0.3 * size)
+  for i in range(2):
+    want = np.asarray(C.largest_magnitude_indices(jnp.asarray(x[i].reshape(-1)), k))
+    idx = np.asarray(got.indices[i])
+    np.testing.assert_array_equal(idx, np.sort(want))
+    np.testing.assert_array_equal(np.asarray(got.values[i]), x[i].reshape(-1)[idx])
+
+  def mean(g):
+    return C.compressed(c, axis_name="data").update({"w": g[0]}, C.compressed(
+        c, axis_name="data").init({"w": g[0]}))[0]["w"][None]
+
+  dense = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                axis_names={"data"}))(placed)
+  want = np.zeros((2, size), np.float32)
+  for i in range(2):
+    kept = np.asarray(C.largest_magnitude_indices(jnp.asarray(x[i].reshape(-1)), k))
+    want[i, kept] = x[i].reshape(-1)[kept]
+  np.testing.assert_array_equal(np.asarray(dense[0]).reshape(-1), want.mean(0))

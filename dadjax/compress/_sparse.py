@@ -7,8 +7,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dadjax._core.validate import check_ratio
+from dadjax._core.vma import vary_like
+from dadjax.comm._sites import sites_of_devices
 from dadjax.compress._base import Compressor, leafwise, num_kept
 from dadjax.registry import Arg, register_compressor
 
@@ -25,8 +28,98 @@ def _scatter(values, indices, like, dtype=None):
 
   The result has ``dtype`` (default ``like``'s); a mean is divided before it is cast.
   """
-  flat = jnp.zeros((math.prod(like.shape),), jnp.float32).at[indices].add(values.astype(jnp.float32))
+  if _in_site_axes():
+    flat = _scatter_in_site(values.astype(jnp.float32), indices, math.prod(like.shape))
+  else:
+    flat = jnp.zeros((math.prod(like.shape),), jnp.float32).at[indices].add(values.astype(jnp.float32))
   return flat.reshape(like.shape).astype(like.dtype if dtype is None else dtype)
+
+
+def _in_site_axes() -> tuple[str, ...]:
+  """The mesh axes GSPMD splits a site's tensors over, when sites are groups of devices."""
+  if not sites_of_devices():
+    return ()
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(mesh.auto_axes)
+  return axes if math.prod(mesh.shape[a] for a in axes) > 1 else ()
+
+
+def _split_flat(x: jax.Array, fill, axes: tuple[str, ...]) -> tuple[jax.Array, int]:
+  """``x`` flattened, padded with ``fill`` to a multiple of the devices of ``axes``, and
+  its entries per device (each device holds a contiguous run of flat positions)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = math.prod(mesh.shape[a] for a in axes)
+  flat = x.reshape(-1)
+  pad = -flat.shape[0] % devices
+  if pad:
+    flat = jnp.concatenate([flat, jnp.full((pad,), fill, flat.dtype)])
+  return flat, flat.shape[0] // devices
+
+
+def _before_me(count: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """The sum of ``count`` over the devices of ``axes`` that hold earlier flat positions."""
+  counts = jax.lax.all_gather(count, axes)
+  return jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < jax.lax.axis_index(axes), counts, 0))
+
+
+def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePayload:
+  """:func:`largest_magnitude_indices`'s entries of ``x``, found on each device's own run of
+  the flat tensor, in ascending flat index.
+
+  Why: GSPMD computes ``top_k`` of a tensor split over a site's chips on the whole tensor,
+  gathered on every chip, and inside the sites' partially manual ``shard_map`` it does not
+  split a scatter into the ``k`` slots either. Here each chip holds ``d / chips`` contiguous
+  flat positions (a row-split kernel is that already; a column-split one is moved there by
+  one all-to-all of its shard), the ``k``-th largest magnitude is found bit by bit (31
+  counts, each a scalar all-reduce), ties at it go to the lower flat index, and every chip
+  writes its kept entries into their slots: one all-reduce of the ``k`` slots.
+  """
+  bits, per_device = _split_flat(_magnitude_bits(x), -1, axes)  # padding: below every |x|
+  flat, _ = _split_flat(x, 0, axes)
+
+  def local(bits, flat):
+    def count(mask):
+      return jax.lax.psum(jnp.sum(mask, dtype=jnp.int32), axes)
+
+    def bisect(b, kth):
+      candidate = kth | jnp.left_shift(jnp.int32(1), 30 - b)
+      return jnp.where(count(bits >= candidate) >= k, candidate, kth)
+
+    kth = jax.lax.fori_loop(0, 31, bisect, vary_like(jnp.int32(0), bits))  # k-th largest |x|
+    above, ties = bits > kth, bits == kth
+    tie_rank = _before_me(jnp.sum(ties, dtype=jnp.int32), axes) + jnp.cumsum(ties) - ties
+    kept = above | (ties & (tie_rank < k - count(above)))
+    slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + jnp.cumsum(kept) - kept
+    slot = jnp.where(kept, slot, k)  # k: dropped
+    position = jax.lax.axis_index(axes) * per_device + jnp.arange(per_device, dtype=jnp.int32)
+    values = jnp.zeros((k,), flat.dtype).at[slot].add(jnp.where(kept, flat, 0), mode="drop")
+    indices = jnp.zeros((k,), jnp.int32).at[slot].add(position, mode="drop")
+    return jax.lax.psum(values, axes), jax.lax.psum(indices, axes)
+
+  values, indices = jax.shard_map(local, in_specs=(P(axes), P(axes)), out_specs=(P(), P()),
+                                  axis_names=set(axes))(bits, flat)
+  return SparsePayload(values, indices)
+
+
+def _scatter_in_site(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
+  """``zeros(size).at[indices].add(values)``, each device writing its own flat run (the
+  SPMD partitioner would build the whole buffer on every chip)."""
+  axes = _in_site_axes()
+  zeros, per_device = _split_flat(jnp.zeros((size,), values.dtype), 0, axes)
+
+  def local(zeros, values, indices):
+    local_index = indices - jax.lax.axis_index(axes) * per_device
+    mine = (local_index >= 0) & (local_index < per_device)
+    return zeros.at[jnp.where(mine, local_index, per_device)].add(values, mode="drop")
+
+  flat = jax.shard_map(local, in_specs=(P(axes), P(), P()), out_specs=P(axes),
+                       axis_names=set(axes))(zeros, values, indices)
+  return flat[:size]
+
+
+def _magnitude_bits(x: jax.Array) -> jax.Array:
+  """``|x|`` as ``int32`` bit patterns, ordered as the magnitudes are (NaN above inf)."""
+  return jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32)
 
 
 def largest_magnitude_indices(flat: jax.Array, k: int) -> jax.Array:
@@ -103,6 +196,8 @@ def topk(ratio: float = 0.01, approx: bool = False) -> Compressor:
     del key
     flat = x.reshape(-1)
     k = num_kept(flat.size, ratio)
+    if not approx and _in_site_axes():  # a site's chips may split x
+      return _largest_in_site(x, k, _in_site_axes())
     if approx:
       _, idx = jax.lax.approx_max_k(jnp.abs(flat), k, recall_target=0.95)
     else:

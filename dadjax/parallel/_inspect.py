@@ -64,8 +64,14 @@ def traffic_by_axis(run, placement, state, placed_batch) -> dict[str, int]:
   return out
 
 
-def program_bits(run, state, placed_batch) -> tuple[int, int]:
+def program_bits(run, state, placed_batch, placement=None) -> tuple[int, int]:
   """``(unconditional, all)`` operand bits of the step program's collectives, per device.
+
+  With a ``placement`` whose sites are groups of devices (in-site axes beside the site
+  axis), a collective whose replica groups stay inside a site is left out: it is in-site
+  traffic a method runs in a manual region of its own over those axes (TopK's selection on
+  each chip's shard), as the collectives GSPMD inserts there are, which the lowered program
+  does not show either.
 
   Read from the lowered, not yet optimized program (``lower(...).as_text("hlo")``):
   one lowering, no compilation, and the operands as traced (before XLA widens
@@ -73,6 +79,9 @@ def program_bits(run, state, placed_batch) -> tuple[int, int]:
   ``all`` only.
   """
   ops = collective_ops(run.lower(state, placed_batch).as_text(dialect="hlo"))
+  inner = getattr(placement, "inner", ()) if placement is not None else ()
+  if inner:
+    ops = [op for op in ops if placement.axis_name in axes_of(placement, op.groups)]
   # reduce-scatters (sharded parameters' in-site gradient mean) are left out: their
   # operand is the whole tensor while the ledger books the slice each device keeps.
   # An all-to-all is booked as one row of its operand (dadjax.comm.metered_all_to_all); a ring

@@ -185,7 +185,7 @@ class TrainStep:
         np.shape(x) for x in jax.tree.leaves((state, placed_batch)))
     if key in self._checked:
       return self._run(state, placed_batch)
-    program = _program_bits(self._run, state, placed_batch)
+    program = _program_bits(self._run, state, placed_batch, self.placement)
     before = _booked_bits(state)
     out = self._run(state, placed_batch)
     _check_ledger(program, before, _booked_bits(out[0]))
@@ -209,7 +209,7 @@ class TrainStep:
       ValueError: the program moves more than was booked (both figures named).
     """
     placed = self.place_batch(batch)
-    program = _program_bits(self._run, state, placed)
+    program = _program_bits(self._run, state, placed, self.placement)
     before = _booked_bits(state)
     new_state, _ = self._run(state, placed)
     booked = _check_ledger(program, before, _booked_bits(new_state))
