@@ -92,13 +92,18 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
     slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + jnp.cumsum(kept) - kept
     slot = jnp.where(kept, slot, k)  # k: dropped
     position = jax.lax.axis_index(axes) * per_device + jnp.arange(per_device, dtype=jnp.int32)
-    values = jnp.zeros((k,), flat.dtype).at[slot].add(jnp.where(kept, flat, 0), mode="drop")
-    indices = jnp.zeros((k,), jnp.int32).at[slot].add(position, mode="drop")
-    return jax.lax.psum(values, axes), jax.lax.psum(indices, axes)
+    values = jnp.zeros((slots,), flat.dtype).at[slot].add(jnp.where(kept, flat, 0), mode="drop")
+    indices = jnp.zeros((slots,), jnp.int32).at[slot].add(position, mode="drop")
+    # each chip keeps its share of the slots: the gather over sites then sends each share
+    # from one chip, not the whole payload from every chip of the site
+    return (jax.lax.psum_scatter(values, axes, tiled=True),
+            jax.lax.psum_scatter(indices, axes, tiled=True))
 
-  values, indices = jax.shard_map(local, in_specs=(P(axes), P(axes)), out_specs=(P(), P()),
-                                  axis_names=set(axes))(bits, flat)
-  return SparsePayload(values, indices)
+  devices = flat.shape[0] // per_device
+  slots = k + -k % devices
+  values, indices = jax.shard_map(local, in_specs=(P(axes), P(axes)),
+                                  out_specs=(P(axes), P(axes)), axis_names=set(axes))(bits, flat)
+  return SparsePayload(values[:k], indices[:k])
 
 
 def _scatter_in_site(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
