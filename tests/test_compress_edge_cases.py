@@ -222,9 +222,10 @@ def test_update_tree_must_match_init(updates, match):
 # ------------------------------------------------------- a site of several devices
 
 
-@pytest.mark.parametrize("shape,split", [((12, 16), 1), ((16, 12), 0), ((5, 7), 0),
-                                         ((3, 4, 8), 2)])
-def test_top_k_on_a_sites_devices_keeps_the_catalog_entries(shape, split):
+@pytest.mark.parametrize("shape,split,dtype", [((12, 16), 1, "float32"), ((16, 12), 0, "float32"),
+                                               ((5, 7), 0, "float32"), ((3, 4, 8), 2, "float32"),
+                                               ((8, 12), 1, "bfloat16")])
+def test_top_k_on_a_sites_devices_keeps_the_catalog_entries(shape, split, dtype):
   # Sites of 4 devices (a partially manual shard_map, the leaf split over "fsdp"): TopK
   # selects on each device's own run of the flat tensor. The kept set must be top_k's, ties
   # to the lower flat index and NaN first, and the mean over sites the same tensor.
@@ -232,7 +233,7 @@ def test_top_k_on_a_sites_devices_keeps_the_catalog_entries(shape, split):
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   size = int(np.prod(shape))
   x = np.round(np.random.default_rng(size).standard_normal((2,) + shape) * 2) / 2  # ties
-  x = x.astype(np.float32)
+  x = x.astype(jnp.dtype(dtype))
   x[0].reshape(-1)[[1, size - 2]] = np.nan
   x[1].reshape(-1)[3] = -np.inf
   spec = [None] * len(shape)
@@ -266,4 +267,5 @@ def test_top_k_on_a_sites_devices_keeps_the_catalog_entries(shape, split):
   for i in range(2):
     kept = np.asarray(C.largest_magnitude_indices(jnp.asarray(x[i].reshape(-1)), k))
     want[i, kept] = x[i].reshape(-1)[kept]
-  np.testing.assert_array_equal(np.asarray(dense[0]).reshape(-1), want.mean(0))
+  np.testing.assert_array_equal(np.asarray(dense[0], np.float32).reshape(-1),
+                                want.mean(0).astype(x.dtype).astype(np.float32))

@@ -72,7 +72,8 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
   flat positions (a row-split kernel is that already; a column-split one is moved there by
   one all-to-all of its shard), the ``k``-th largest magnitude is found bit by bit (31
   counts, each a scalar all-reduce), ties at it go to the lower flat index, and every chip
-  writes its kept entries into their slots: one all-reduce of the ``k`` slots.
+  writes its kept entries into their slots: one reduce-scatter of the ``k`` slots (padded to
+  a multiple of the chips), which leaves each chip its share of the payload.
   """
   bits, per_device = _split_flat(_magnitude_bits(x), -1, axes)  # padding: below every |x|
   flat, _ = _split_flat(x, 0, axes)
@@ -90,9 +91,12 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
     tie_rank = _before_me(jnp.sum(ties, dtype=jnp.int32), axes) + jnp.cumsum(ties) - ties
     kept = above | (ties & (tie_rank < k - count(above)))
     slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + jnp.cumsum(kept) - kept
-    slot = jnp.where(kept, slot, k)  # k: dropped
+    slot = jnp.where(kept, slot, slots)  # past the slots: dropped
     position = jax.lax.axis_index(axes) * per_device + jnp.arange(per_device, dtype=jnp.int32)
-    values = jnp.zeros((slots,), flat.dtype).at[slot].add(jnp.where(kept, flat, 0), mode="drop")
+    # fp32 slots: each holds one entry, so the cast back is exact, and a 16-bit reduction
+    # would meet XLA:CPU's all-reduce promotion
+    values = jnp.zeros((slots,), jnp.float32).at[slot].add(
+        jnp.where(kept, flat, 0).astype(jnp.float32), mode="drop")
     indices = jnp.zeros((slots,), jnp.int32).at[slot].add(position, mode="drop")
     # each chip keeps its share of the slots: the gather over sites then sends each share
     # from one chip, not the whole payload from every chip of the site
@@ -103,7 +107,7 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
   slots = k + -k % devices
   values, indices = jax.shard_map(local, in_specs=(P(axes), P(axes)),
                                   out_specs=(P(axes), P(axes)), axis_names=set(axes))(bits, flat)
-  return SparsePayload(values[:k], indices[:k])
+  return SparsePayload(values[:k].astype(x.dtype), indices[:k])
 
 
 def _scatter_in_site(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
@@ -169,6 +173,10 @@ def topk(ratio: float = 0.01, approx: bool = False) -> Compressor:
   flat indices; sites all-gather the pairs and the average is the sum of
   every site's sparse tensor divided by the number of sites. Biased: use
   with :func:`error_feedback` (``"ef_topk:0.01"``) as the papers do.
+
+  When sites are groups of devices (a tensor split over a site's chips), the
+  exact selection runs on each chip's own part (the same entries, sent in
+  ascending flat index), so no chip gathers the tensor whole.
 
   Args:
     ratio: fraction of entries kept per tensor, in (0, 1]; ``k`` is clipped
