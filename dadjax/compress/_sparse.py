@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from dadjax._core.validate import check_ratio
 from dadjax._core.vma import vary_like
-from dadjax.comm._sites import sites_of_devices
+from dadjax.comm import sites_of_devices
 from dadjax.compress._base import Compressor, leafwise, num_kept
 from dadjax.registry import Arg, register_compressor
 
