@@ -28,8 +28,9 @@ def _scatter(values, indices, like, dtype=None):
 
   The result has ``dtype`` (default ``like``'s); a mean is divided before it is cast.
   """
-  if _in_site_axes():
-    flat = _scatter_in_site(values.astype(jnp.float32), indices, math.prod(like.shape))
+  axes = _in_site_axes()
+  if axes:
+    flat = _scatter_in_site(values.astype(jnp.float32), indices, math.prod(like.shape), axes)
   else:
     flat = jnp.zeros((math.prod(like.shape),), jnp.float32).at[indices].add(values.astype(jnp.float32))
   return flat.reshape(like.shape).astype(like.dtype if dtype is None else dtype)
@@ -103,17 +104,16 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
     return (jax.lax.psum_scatter(values, axes, tiled=True),
             jax.lax.psum_scatter(indices, axes, tiled=True))
 
-  devices = flat.shape[0] // per_device
-  slots = k + -k % devices
+  slots = k + -k % (flat.shape[0] // per_device)  # a multiple of the devices
   values, indices = jax.shard_map(local, in_specs=(P(axes), P(axes)),
                                   out_specs=(P(axes), P(axes)), axis_names=set(axes))(bits, flat)
   return SparsePayload(values[:k].astype(x.dtype), indices[:k])
 
 
-def _scatter_in_site(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
-  """``zeros(size).at[indices].add(values)``, each device writing its own flat run (the
-  SPMD partitioner would build the whole buffer on every chip)."""
-  axes = _in_site_axes()
+def _scatter_in_site(values: jax.Array, indices: jax.Array, size: int,
+                     axes: tuple[str, ...]) -> jax.Array:
+  """``zeros(size).at[indices].add(values)``, each device of ``axes`` writing its own flat
+  run (the SPMD partitioner would build the whole buffer on every chip)."""
   zeros, per_device = _split_flat(jnp.zeros((size,), values.dtype), 0, axes)
 
   def local(zeros, values, indices):
@@ -207,10 +207,11 @@ def topk(ratio: float = 0.01, approx: bool = False) -> Compressor:
 
   def compress_leaf(x, key):
     del key
+    k = num_kept(x.size, ratio)
+    axes = () if approx else _in_site_axes()
+    if axes:  # a site's chips may split x
+      return _largest_in_site(x, k, axes)
     flat = x.reshape(-1)
-    k = num_kept(flat.size, ratio)
-    if not approx and _in_site_axes():  # a site's chips may split x
-      return _largest_in_site(x, k, _in_site_axes())
     if approx:
       _, idx = jax.lax.approx_max_k(jnp.abs(flat), k, recall_target=0.95)
     else:

@@ -79,8 +79,7 @@ def program_bits(run, state, placed_batch, placement=None) -> tuple[int, int]:
   ``all`` only.
   """
   ops = collective_ops(run.lower(state, placed_batch).as_text(dialect="hlo"))
-  inner = getattr(placement, "inner", ()) if placement is not None else ()
-  if inner:
+  if getattr(placement, "inner", ()):
     ops = [op for op in ops if placement.axis_name in axes_of(placement, op.groups)]
   # reduce-scatters (sharded parameters' in-site gradient mean) are left out: their
   # operand is the whole tensor while the ledger books the slice each device keeps.
