@@ -221,7 +221,9 @@ FAMILIES = ["allreduce", pytest.param("bf16", marks=_SLOW), "ef(topk:0.1)", "pow
             pytest.param("qsgd:8", marks=_SLOW), pytest.param("sign", marks=_SLOW),
             pytest.param("accordion(powersgd:2,powersgd:1,window=1,interval=1)", marks=_SLOW),
             "dad", pytest.param("rank_dad:2", marks=_SLOW), pytest.param("dad:bucket", marks=_SLOW),
-            "dataquant:2:classes=5", "diloco:2:compress=powersgd(2)"]
+            "dataquant:2:classes=5", "diloco:2:compress=powersgd(2)",
+            # 4 x 4 blocks: a kernel's grid of blocks splits unevenly over the site's devices
+            "sparseloco:2:k=3:chunk=4", pytest.param("demo:1:k=3:chunk=4", marks=_SLOW)]
 LAYOUTS = {"tp": {"model": 4}, "fsdp_tp": {"fsdp": 2, "model": 2}}
 
 

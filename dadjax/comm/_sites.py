@@ -10,6 +10,7 @@ unmetered: methods use the metered wrappers of :mod:`dadjax.comm._metered`.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import jax
@@ -40,6 +41,20 @@ def sites_of_devices() -> bool:
   """Whether the code being traced runs manual over the sites and automatic inside them."""
   mesh = jax.sharding.get_abstract_mesh()
   return bool(getattr(mesh, "auto_axes", ())) and bool(getattr(mesh, "manual_axes", ()))
+
+
+def in_site_axes() -> tuple[str, ...]:
+  """The mesh axes GSPMD splits a site's tensors over, when sites are groups of devices.
+
+  ``()`` outside the sites' partially manual ``shard_map`` or when the automatic axes hold
+  one device. Code that must not let the SPMD partitioner gather a split tensor whole (a
+  scatter, a selection) runs a nested ``shard_map`` over these axes.
+  """
+  if not sites_of_devices():
+    return ()
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(mesh.auto_axes)
+  return axes if math.prod(mesh.shape[a] for a in axes) > 1 else ()
 
 
 def axis_size(axis_name: str | None) -> int:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from dadjax._core.validate import check_ratio
 from dadjax._core.vma import vary_like
-from dadjax.comm import sites_of_devices
+from dadjax.comm import in_site_axes
 from dadjax.compress._base import Compressor, leafwise, num_kept
 from dadjax.registry import Arg, register_compressor
 
@@ -28,21 +28,12 @@ def _scatter(values, indices, like, dtype=None):
 
   The result has ``dtype`` (default ``like``'s); a mean is divided before it is cast.
   """
-  axes = _in_site_axes()
+  axes = in_site_axes()
   if axes:
     flat = _scatter_in_site(values.astype(jnp.float32), indices, math.prod(like.shape), axes)
   else:
     flat = jnp.zeros((math.prod(like.shape),), jnp.float32).at[indices].add(values.astype(jnp.float32))
   return flat.reshape(like.shape).astype(like.dtype if dtype is None else dtype)
-
-
-def _in_site_axes() -> tuple[str, ...]:
-  """The mesh axes GSPMD splits a site's tensors over, when sites are groups of devices."""
-  if not sites_of_devices():
-    return ()
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(mesh.auto_axes)
-  return axes if math.prod(mesh.shape[a] for a in axes) > 1 else ()
 
 
 def _split_flat(x: jax.Array, fill, axes: tuple[str, ...]) -> tuple[jax.Array, int]:
@@ -208,7 +199,7 @@ def topk(ratio: float = 0.01, approx: bool = False) -> Compressor:
   def compress_leaf(x, key):
     del key
     k = num_kept(x.size, ratio)
-    axes = () if approx else _in_site_axes()
+    axes = () if approx else in_site_axes()
     if axes:  # a site's chips may split x
       return _largest_in_site(x, k, axes)
     flat = x.reshape(-1)

@@ -16,9 +16,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dadjax._core.packing import code_bits, pack_leaf, unpack_leaf
 from dadjax._core.trees import check_float_leaves, tree_nbits
+from dadjax.comm import in_site_axes
 from dadjax.compress import Compressor, EmptyState
 from dadjax.local._dct import ChunkLayout, chunk_layout, from_chunks, to_chunks
 
@@ -181,12 +183,35 @@ def _rows_of(opts: _Chunked, payload, like, key, sites: bool = False) -> list:
     v = v.astype(jnp.float32)
     if sites:  # (sites,) + grid + (kept,) -> grid + (sites * kept,)
       pos, v = (jnp.moveaxis(a, 0, -2).reshape(lay.grid + (-1,)) for a in (pos, v))
-    # each grid axis indexed by an iota: a scatter the SPMD partitioner splits as the grid is
-    # split (under vmap, as batching dimensions, it aborts the TPU compiler on 1,024 chips)
-    grid = tuple(jax.lax.broadcasted_iota(jnp.int32, pos.shape, d) for d in range(len(lay.grid)))
-    rows = jnp.zeros(lay.grid + (lay.size,), jnp.float32)
-    out.append(rows.at[(*grid, pos)].add(v))
+    out.append(_chunk_rows(lay, pos, v))
   return out
+
+
+def _add_at_positions(shape: tuple[int, ...], pos: jax.Array, v: jax.Array) -> jax.Array:
+  """``zeros(shape)`` with ``v`` added at ``pos`` along the last axis of every chunk."""
+  # each grid axis indexed by an iota: a scatter the SPMD partitioner splits as the grid is
+  # split (under vmap, as batching dimensions, it aborts the TPU compiler on 1,024 chips)
+  grid = tuple(jax.lax.broadcasted_iota(jnp.int32, pos.shape, d) for d in range(len(shape) - 1))
+  return jnp.zeros(shape, jnp.float32).at[(*grid, pos)].add(v)
+
+
+def _chunk_rows(lay: ChunkLayout, pos: jax.Array, v: jax.Array) -> jax.Array:
+  """The dense ``grid + (size,)`` rows of one leaf, ``v`` added at ``pos`` of every chunk.
+
+  When sites are groups of devices, each device writes its own chunks in a manual region:
+  inside the sites' partially manual ``shard_map`` the SPMD partitioner splits the rows but
+  all-gathers the scatter's indices and values on every chip of the site.
+  """
+  axes = in_site_axes()
+  if not axes:
+    return _add_at_positions(lay.grid + (lay.size,), pos, v)
+  mesh = jax.sharding.get_abstract_mesh()
+  pad = -lay.chunks % math.prod(mesh.shape[a] for a in axes)
+  pos, v = (jnp.pad(a.reshape(lay.chunks, -1), ((0, pad), (0, 0))) for a in (pos, v))
+  rows = jax.shard_map(lambda p, w: _add_at_positions((p.shape[0], lay.size), p, w),
+                       in_specs=(P(axes), P(axes)), out_specs=P(axes),
+                       axis_names=set(axes))(pos, v)
+  return rows[:lay.chunks].reshape(lay.grid + (lay.size,))
 
 
 def _back(opts: _Chunked, rows: list, like):
