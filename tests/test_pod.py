@@ -111,9 +111,13 @@ def test_chunked_top_k_keeps_each_chip_on_its_own_shard():
   # The chunks were one (chunks, 64 * 64) array: merging block rows with block columns lost
   # FSDP's split of a kernel over the 16 chips of a v5e-16 slice, and every chip held the
   # 1024 x 2048 kernel's chunks whole for its sort and decode: 5.6x the all-reduce step's
-  # temporaries (2.7x as a grid of blocks; about 25 s: 32 devices).
-  report, base = _big_mlp_report("sparseloco:50"), _big_mlp_report("allreduce")
-  assert report.temp_bytes <= 3.5 * base.temp_bytes, (report.temp_bytes, base.temp_bytes)
+  # temporaries (2.7x as a grid of blocks, the decode's indices still gathered on every chip;
+  # 2.1x once each chip selects and decodes its own chunks; DeMo 1.9x -> 1.7x; about 25 s:
+  # 32 devices).
+  base = _big_mlp_report("allreduce")
+  for spec, bound in (("sparseloco:50", 2.4), ("demo", 1.8)):
+    report = _big_mlp_report(spec)
+    assert report.temp_bytes <= bound * base.temp_bytes, (spec, report.temp_bytes, base.temp_bytes)
 
 
 @needs_libtpu

@@ -130,14 +130,19 @@ def _select(opts: _Chunked, rows: jax.Array, layout: ChunkLayout):
   """The catalog's top-k on every chunk (the last axis of ``rows``): ``(values, positions)``,
   each ``rows.shape[:-1] + (k,)``.
 
-  The same entries in the same order as :func:`~dadjax.compress.topk` per chunk (largest
-  magnitude first, ties to the lower position, NaN first; above half the chunk, in
-  ascending position), found by one stable sort of the magnitudes carrying each entry's
-  position and sign, instead of ``top_k`` and a gather of the values: the TPU compiler's
-  SPMD partitioner aborts on that batched gather when a chunk's entries are split over many
-  chips (``Check failed: partition_group_list.num_replica_groups() * ...``).
+  The entries and order of :func:`~dadjax.compress.topk` per chunk: ``top_k`` of the
+  magnitudes (largest first, ties to the lower position, NaN first) and the values at its
+  positions; above half the chunk, the same set in ascending position, found by one stable
+  sort of the magnitudes carrying each entry's position and sign. Run on each device's own
+  chunks (:func:`_on_own_chunks`): the SPMD partitioner aborted the TPU compiler on the
+  batched gather of a chunk split over many chips (``Check failed:
+  partition_group_list.num_replica_groups() * ...``), and a sort of every chunk instead
+  compiled 3x slower than ``top_k``.
   """
   kept = _kept(layout, opts.k)
+  if 2 * kept <= layout.size:
+    _, positions = jax.lax.top_k(jnp.abs(rows), kept)
+    return jnp.take_along_axis(rows, positions, axis=-1), positions.astype(jnp.int32)
   if layout.size >= _NAN:
     raise ValueError(f"{opts.name}: a chunk of {layout.size} entries is too large")
   nan = jnp.isnan(rows)
@@ -148,9 +153,30 @@ def _select(opts: _Chunked, rows: jax.Array, layout: ChunkLayout):
   key, code = key[..., :kept], code[..., :kept]
   values = jnp.where(code & _NAN, jnp.nan, jnp.where(code & _NEGATIVE, key, -key))
   positions = code & (_NAN - 1)
-  if 2 * kept > layout.size:  # topk's order for a large k: ascending positions
-    positions, values = jax.lax.sort((positions, values), dimension=rows.ndim - 1, num_keys=1)
+  # topk's order for a large k: ascending positions
+  positions, values = jax.lax.sort((positions, values), dimension=rows.ndim - 1, num_keys=1)
   return values.astype(rows.dtype), positions
+
+
+def _on_own_chunks(fn, layout: ChunkLayout, *arrays):
+  """``fn(*arrays)`` for ``arrays`` of ``layout.grid + (n,)`` (``n`` of each its own), run on
+  each device's own chunks when sites are groups of devices.
+
+  ``fn`` maps arrays with any leading chunk axes to outputs with the same ones. Inside the
+  sites' partially manual ``shard_map`` the SPMD partitioner gathers a scatter's or a
+  gather's operands on every chip of the site; here the chunks are one axis, padded to a
+  multiple of the site's devices, and each device applies ``fn`` to its run of them in a
+  manual region (a column-split tensor gets there by one all-to-all of its shard).
+  """
+  axes = in_site_axes()
+  if not axes:
+    return fn(*arrays)
+  mesh = jax.sharding.get_abstract_mesh()
+  pad = -layout.chunks % math.prod(mesh.shape[a] for a in axes)
+  flat = [jnp.pad(a.reshape(layout.chunks, -1), ((0, pad), (0, 0))) for a in arrays]
+  out = jax.shard_map(fn, in_specs=(P(axes),) * len(flat), out_specs=P(axes),
+                      axis_names=set(axes))(*flat)
+  return jax.tree.map(lambda o: o[:layout.chunks].reshape(layout.grid + o.shape[1:]), out)
 
 
 def _compress(opts: _Chunked, grads, state, key):
@@ -158,7 +184,8 @@ def _compress(opts: _Chunked, grads, state, key):
   leaves, treedef = jax.tree.flatten(grads)
   kept, words = [], []
   for x, lay in zip(leaves, _layouts(opts, grads)):
-    vals, pos = _select(opts, to_chunks(x, lay, opts.dct, grid=True), lay)
+    vals, pos = _on_own_chunks(lambda rows, lay=lay: _select(opts, rows, lay), lay,
+                               to_chunks(x, lay, opts.dct, grid=True))
     kept.append(vals.astype(x.dtype))
     words.append(pack_leaf(pos.astype(jnp.uint32), code_bits(lay.size)))
   vals = jax.tree.unflatten(treedef, kept)
@@ -183,35 +210,17 @@ def _rows_of(opts: _Chunked, payload, like, key, sites: bool = False) -> list:
     v = v.astype(jnp.float32)
     if sites:  # (sites,) + grid + (kept,) -> grid + (sites * kept,)
       pos, v = (jnp.moveaxis(a, 0, -2).reshape(lay.grid + (-1,)) for a in (pos, v))
-    out.append(_chunk_rows(lay, pos, v))
+    out.append(_on_own_chunks(lambda p, w, size=lay.size: _add_at_positions(p, w, size), lay,
+                              pos, v))
   return out
 
 
-def _add_at_positions(shape: tuple[int, ...], pos: jax.Array, v: jax.Array) -> jax.Array:
-  """``zeros(shape)`` with ``v`` added at ``pos`` along the last axis of every chunk."""
+def _add_at_positions(pos: jax.Array, v: jax.Array, size: int) -> jax.Array:
+  """Chunks of ``size`` zeros with ``v`` added at ``pos`` along the last axis, in fp32."""
   # each grid axis indexed by an iota: a scatter the SPMD partitioner splits as the grid is
   # split (under vmap, as batching dimensions, it aborts the TPU compiler on 1,024 chips)
-  grid = tuple(jax.lax.broadcasted_iota(jnp.int32, pos.shape, d) for d in range(len(shape) - 1))
-  return jnp.zeros(shape, jnp.float32).at[(*grid, pos)].add(v)
-
-
-def _chunk_rows(lay: ChunkLayout, pos: jax.Array, v: jax.Array) -> jax.Array:
-  """The dense ``grid + (size,)`` rows of one leaf, ``v`` added at ``pos`` of every chunk.
-
-  When sites are groups of devices, each device writes its own chunks in a manual region:
-  inside the sites' partially manual ``shard_map`` the SPMD partitioner splits the rows but
-  all-gathers the scatter's indices and values on every chip of the site.
-  """
-  axes = in_site_axes()
-  if not axes:
-    return _add_at_positions(lay.grid + (lay.size,), pos, v)
-  mesh = jax.sharding.get_abstract_mesh()
-  pad = -lay.chunks % math.prod(mesh.shape[a] for a in axes)
-  pos, v = (jnp.pad(a.reshape(lay.chunks, -1), ((0, pad), (0, 0))) for a in (pos, v))
-  rows = jax.shard_map(lambda p, w: _add_at_positions((p.shape[0], lay.size), p, w),
-                       in_specs=(P(axes), P(axes)), out_specs=P(axes),
-                       axis_names=set(axes))(pos, v)
-  return rows[:lay.chunks].reshape(lay.grid + (lay.size,))
+  grid = tuple(jax.lax.broadcasted_iota(jnp.int32, pos.shape, d) for d in range(pos.ndim - 1))
+  return jnp.zeros(pos.shape[:-1] + (size,), jnp.float32).at[(*grid, pos)].add(v)
 
 
 def _back(opts: _Chunked, rows: list, like):
