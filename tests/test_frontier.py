@@ -246,9 +246,9 @@ def test_declared_chain_averages_the_sites_adam_updates_and_the_plain_one_is_ref
 
 @pytest.mark.parametrize("k, chunk", [(3, 4), (5, 4), (10, 4), (16, 4), (2, 8)])
 def test_chunk_selection_is_the_catalogs_topk_on_every_chunk(k, chunk):
-  # The sort that replaced top_k + gather (which the TPU partitioner aborted on) keeps the
-  # catalog's set and order: largest magnitude first, ties to the lower position, NaN kept
-  # first; above half a chunk, ascending positions.
+  # The chunk selection (top_k, and above half a chunk a stable sort) keeps the catalog's set
+  # and order: largest magnitude first, ties to the lower position, NaN kept first; above half
+  # a chunk, ascending positions.
   from dadjax.local._chunked import _Chunked, _select
   from dadjax.local._dct import chunk_layout, to_chunks
   rng = np.random.default_rng(k)
