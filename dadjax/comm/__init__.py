@@ -60,8 +60,8 @@ from dadjax.comm._metered import (
     traffic_add,
 )
 from dadjax.comm._sites import (axis_size, compiling_for, gather_sites, in_site_axes,
-                               mean_over_sites, ring_gather, site_index, sites_of_devices,
-                               sum_over_sites, target_platform)
+                               in_site_devices, mean_over_sites, ring_gather, site_index,
+                               sites_of_devices, sum_over_sites, target_platform)
 from dadjax.comm._vma import COMM_COLLECTION, STATE_COLLECTION
 from dadjax.comm._wire import TOPOLOGIES, wire_bits
 
@@ -97,7 +97,7 @@ __all__ = [
     "host_array", "Traffic", "NO_TRAFFIC", "traffic_add", "metered_psum", "metered_pmean",
     "metered_all_gather", "metered_all_to_all", "axis_size", "site_index", "gather_sites",
     "mean_over_sites", "sum_over_sites", "find_comm_stats", "ring_gather", "compiling_for",
-    "target_platform", "sites_of_devices", "in_site_axes",
+    "target_platform", "sites_of_devices", "in_site_axes", "in_site_devices",
     "ledger_init", "ledger_record", "periodic_init", "periodic_record", "tree_dense_bits",
     "COMM_COLLECTION", "STATE_COLLECTION",
 ]

@@ -52,9 +52,15 @@ def in_site_axes() -> tuple[str, ...]:
   """
   if not sites_of_devices():
     return ()
+  axes = tuple(jax.sharding.get_abstract_mesh().auto_axes)
+  return axes if in_site_devices(axes) > 1 else ()
+
+
+def in_site_devices(axes: tuple[str, ...]) -> int:
+  """The devices along ``axes`` of the mesh of the program being traced (a site's devices
+  for :func:`in_site_axes`)."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(mesh.auto_axes)
-  return axes if math.prod(mesh.shape[a] for a in axes) > 1 else ()
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def axis_size(axis_name: str | None) -> int:

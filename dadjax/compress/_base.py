@@ -386,7 +386,7 @@ def _rows(keys: Keys, group: list[int]) -> Keys:
 
   The leaves' keys come from one :func:`group_keys` for the whole tree: each derivation is
   a threefry hash, and the TPU compiler spent about 0.6 s of a quantizer's 3 s step compile
-  on one per group of same-shape leaves (``experiments/results/pod_compile_mlp.md``).
+  on one per group of same-shape leaves (docs/placement.md, "Compiled for the pod").
   """
   index = np.asarray(group)
   return Keys(keys.shared[index], keys.site[index])

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from dadjax._core.validate import check_ratio
 from dadjax._core.vma import vary_like
-from dadjax.comm import in_site_axes
+from dadjax.comm import in_site_axes, in_site_devices
 from dadjax.compress._base import Compressor, leafwise, num_kept
 from dadjax.registry import Arg, register_compressor
 
@@ -39,8 +39,7 @@ def _scatter(values, indices, like, dtype=None):
 def _split_flat(x: jax.Array, fill, axes: tuple[str, ...]) -> tuple[jax.Array, int]:
   """``x`` flattened, padded with ``fill`` to a multiple of the devices of ``axes``, and
   its entries per device (each device holds a contiguous run of flat positions)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  devices = math.prod(mesh.shape[a] for a in axes)
+  devices = in_site_devices(axes)
   flat = x.reshape(-1)
   pad = -flat.shape[0] % devices
   if pad:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from dadjax._core.packing import code_bits, pack_leaf, unpack_leaf
 from dadjax._core.trees import check_float_leaves, tree_nbits
-from dadjax.comm import in_site_axes
+from dadjax.comm import in_site_axes, in_site_devices
 from dadjax.compress import Compressor, EmptyState
 from dadjax.local._dct import ChunkLayout, chunk_layout, from_chunks, to_chunks
 
@@ -171,8 +171,7 @@ def _on_own_chunks(fn, layout: ChunkLayout, *arrays):
   axes = in_site_axes()
   if not axes:
     return fn(*arrays)
-  mesh = jax.sharding.get_abstract_mesh()
-  pad = -layout.chunks % math.prod(mesh.shape[a] for a in axes)
+  pad = -layout.chunks % in_site_devices(axes)
   flat = [jnp.pad(a.reshape(layout.chunks, -1), ((0, pad), (0, 0))) for a in arrays]
   out = jax.shard_map(fn, in_specs=(P(axes),) * len(flat), out_specs=P(axes),
                       axis_names=set(axes))(*flat)
