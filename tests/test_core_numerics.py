@@ -7,6 +7,7 @@ import pytest
 
 from dadjax._core.keys import hash_uniform, start_key
 from dadjax._core.linalg import pow2_scale, pow2_unit
+from dadjax._core.running import running_count
 
 
 def _frexp_unit(x):
@@ -59,3 +60,23 @@ def test_hash_uniform_is_deterministic_spread_and_keyed():
   big = 2 ** 24 + 1
   assert not np.array_equal(np.asarray(hash_uniform(start_key(0, big, "p"), 0, 8)),
                             np.asarray(hash_uniform(start_key(0, big - 1, "p"), 0, 8)))
+
+
+# 1 and 2 blocks, a ragged last block, and three levels of block totals (128**2 < 70001),
+# where the totals outgrow bfloat16 and go through the float32 product
+@pytest.mark.parametrize("n", [1, 2, 127, 128, 129, 16_385, 70_001])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_running_count_is_cumsum(n, density):
+  mask = np.random.default_rng(n).random(n) < density
+  got = np.asarray(jax.jit(running_count)(jnp.asarray(mask)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.cumsum(mask))
+  if n < 1000:  # a small block: many levels, each total past bfloat16's exact integers
+    np.testing.assert_array_equal(running_count(jnp.asarray(mask), block=3), np.cumsum(mask))
+
+
+def test_running_count_names_bad_input():
+  with pytest.raises(ValueError, match="mask must be 1-D"):
+    running_count(jnp.ones((2, 2), bool))
+  with pytest.raises(ValueError, match="block must be at least 2"):
+    running_count(jnp.ones((4,), bool), block=1)

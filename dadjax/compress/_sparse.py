@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dadjax._core.running import running_count
 from dadjax._core.validate import check_ratio
 from dadjax._core.vma import vary_like
 from dadjax.comm import in_site_axes, in_site_devices
@@ -79,9 +80,9 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
 
     kth = jax.lax.fori_loop(0, 31, bisect, vary_like(jnp.int32(0), bits))  # k-th largest |x|
     above, ties = bits > kth, bits == kth
-    tie_rank = _before_me(jnp.sum(ties, dtype=jnp.int32), axes) + jnp.cumsum(ties) - ties
+    tie_rank = _before_me(jnp.sum(ties, dtype=jnp.int32), axes) + running_count(ties) - ties
     kept = above | (ties & (tie_rank < k - count(above)))
-    slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + jnp.cumsum(kept) - kept
+    slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + running_count(kept) - kept
     slot = jnp.where(kept, slot, slots)  # past the slots: dropped
     position = jax.lax.axis_index(axes) * per_device + jnp.arange(per_device, dtype=jnp.int32)
     # fp32 slots: each holds one entry, so the cast back is exact, and a 16-bit reduction
