@@ -80,9 +80,11 @@ def _largest_in_site(x: jax.Array, k: int, axes: tuple[str, ...]) -> SparsePaylo
 
     kth = jax.lax.fori_loop(0, 31, bisect, vary_like(jnp.int32(0), bits))  # k-th largest |x|
     above, ties = bits > kth, bits == kth
-    tie_rank = _before_me(jnp.sum(ties, dtype=jnp.int32), axes) + running_count(ties) - ties
+    ties_so_far = running_count(ties)
+    tie_rank = _before_me(ties_so_far[-1], axes) + ties_so_far - ties
     kept = above | (ties & (tie_rank < k - count(above)))
-    slot = _before_me(jnp.sum(kept, dtype=jnp.int32), axes) + running_count(kept) - kept
+    kept_so_far = running_count(kept)
+    slot = _before_me(kept_so_far[-1], axes) + kept_so_far - kept
     slot = jnp.where(kept, slot, slots)  # past the slots: dropped
     position = jax.lax.axis_index(axes) * per_device + jnp.arange(per_device, dtype=jnp.int32)
     # fp32 slots: each holds one entry, so the cast back is exact, and a 16-bit reduction
